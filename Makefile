@@ -1,0 +1,40 @@
+# The README's two commands: `make demo` and `make test`. Both create .venv when missing and
+# install every dependency themselves (torch pinned to the CPU-capable pair that lies on disk).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.cvl-installed
+TORCH_PIN := torch==2.14.1 torchvision==0.29.1
+DEMO_DIR ?= demo-out
+export OMP_NUM_THREADS ?= 2
+
+.PHONY: venv demo test lint format bench clean
+
+venv: $(STAMP)
+
+$(STAMP): setup.cfg pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(TORCH_PIN)
+	$(BIN)/python -m pip install -q -e '.[dev]' $(TORCH_PIN)
+	touch $(STAMP)
+
+demo: $(STAMP)
+	bash recipes/demo.sh $(DEMO_DIR)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff format --check cvl tests benchmarks
+	$(BIN)/ruff check cvl tests benchmarks
+
+format: $(STAMP)
+	$(BIN)/ruff format cvl tests benchmarks
+	$(BIN)/ruff check --fix cvl tests benchmarks
+
+bench: $(STAMP)
+	for b in benchmarks/bench_*.py; do $(BIN)/python $$b || exit 1; done
+
+clean:
+	rm -rf $(DEMO_DIR) .pytest_cache

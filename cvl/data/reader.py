@@ -1,0 +1,298 @@
+"""Reading stream shards back as a map-style torch Dataset.
+
+Shards are real webdataset tars; we index each tar's members once (headers only, no image
+decoding) and read samples by offset. A map-style dataset makes three things exact that an
+iterable one makes hard: resume at a batch position, the same global batches for 1 process
+with batch 2B as for 2 processes with batch B (rank r takes slice r of each global batch),
+and replay-buffer items addressed by (shard, key).
+
+Samples without an image or with a missing/empty caption are left out at index time and
+counted in `skipped`; an image that fails to decode (or a caption that is not UTF-8) is
+replaced by the next good sample at load time and counted in the batch's `n_replaced`, so a
+corrupt file never crashes a run and every rank keeps the same batch size.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+import zlib
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset
+
+from cvl.errors import CvlError
+
+IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """Where one sample lives: shard file, key, and (offset, size) of its members."""
+
+    shard: str
+    key: str
+    image: tuple[int, int]
+    text: tuple[int, int]
+    meta: tuple[int, int] | None
+
+    @property
+    def ref(self) -> tuple[str, str]:
+        return (self.shard, self.key)
+
+
+@lru_cache(maxsize=4096)
+def index_shard(path: str) -> tuple[tuple[Entry, ...], tuple[tuple[str, str], ...]]:
+    """Entries of one tar (in file order) and the (key, reason) of samples left out."""
+    members: dict[str, dict[str, tuple[int, int]]] = {}
+    order: list[str] = []
+    try:
+        with tarfile.open(path, mode="r:") as tf:
+            for ti in tf:
+                if not ti.isfile():
+                    continue
+                name = ti.name.rsplit("/", 1)[-1]
+                if "." not in name:
+                    continue
+                key, ext = name.split(".", 1)
+                prefix = ti.name[: len(ti.name) - len(name)]
+                key = prefix + key
+                if key not in members:
+                    members[key] = {}
+                    order.append(key)
+                members[key][ext.lower()] = (ti.offset_data, ti.size)
+    except (tarfile.TarError, OSError) as e:
+        raise CvlError(f"{path}: not a readable tar shard ({e})") from None
+    entries, skipped = [], []
+    for key in order:
+        m = members[key]
+        img = next((m[e] for e in IMAGE_EXTS if e in m), None)
+        if img is None:
+            skipped.append((key, "missing_image"))
+        elif "txt" not in m:
+            skipped.append((key, "missing_caption"))
+        elif m["txt"][1] == 0:
+            skipped.append((key, "empty_caption"))
+        else:
+            entries.append(Entry(path, key, img, m["txt"], m.get("json")))
+    return tuple(entries), tuple(skipped)
+
+
+class _Files:
+    """Per-process cache of open shard files (re-opened after a fork into a worker)."""
+
+    def __init__(self) -> None:
+        self.pid = -1
+        self.handles: dict[str, Any] = {}
+
+    def read(self, path: str, span: tuple[int, int]) -> bytes:
+        if self.pid != os.getpid():
+            self.handles, self.pid = {}, os.getpid()
+        f = self.handles.get(path)
+        if f is None:
+            if len(self.handles) > 64:
+                for h in self.handles.values():
+                    h.close()
+                self.handles.clear()
+            f = self.handles[path] = open(path, "rb")  # noqa: SIM115 (kept open on purpose)
+        f.seek(span[0])
+        return f.read(span[1])
+
+
+_FILES = _Files()
+
+
+def sample_seed(seed: int, *parts: int) -> int:
+    """A stable 31-bit seed from integers (same on every rank, worker and Python run)."""
+    return zlib.crc32(repr((seed, *parts)).encode()) & 0x7FFFFFFF
+
+
+class PairDataset(Dataset):
+    """Image-caption pairs from shards; items are indices or (index, augmentation seed)."""
+
+    def __init__(
+        self,
+        entries: Sequence[Entry],
+        transform: Callable[[Image.Image], torch.Tensor] | None = None,
+        tokenize: Callable[[list[str]], torch.Tensor] | None = None,
+        skipped: Counter | None = None,
+    ) -> None:
+        self.entries = list(entries)
+        self.transform = transform
+        self.tokenize = tokenize
+        self.skipped = skipped if skipped is not None else Counter()
+
+    # -- construction ------------------------------------------------------------------------
+    @classmethod
+    def from_shards(cls, shards: Iterable[str | os.PathLike], **kw: Any) -> PairDataset:
+        """All good samples of the shards, in shard order; raises if there are none."""
+        entries: list[Entry] = []
+        skipped: Counter = Counter()
+        shards = [str(Path(s).absolute()) for s in shards]
+        for s in shards:
+            e, sk = index_shard(s)
+            entries.extend(e)
+            skipped.update(reason for _, reason in sk)
+        if not entries:
+            raise CvlError(
+                f"no usable samples in {len(shards)} shard(s)"
+                + (f" (first: {shards[0]}; left out: {dict(skipped)})" if shards else "")
+            )
+        return cls(entries, skipped=skipped, **kw)
+
+    @classmethod
+    def from_refs(cls, refs: Iterable[tuple[str, str]], **kw: Any) -> PairDataset:
+        """Samples addressed by (shard path, key), e.g. a replay buffer's contents."""
+        refs = list(refs)
+        by_shard: dict[str, dict[str, Entry]] = {}
+        out = []
+        for shard, key in refs:
+            if shard not in by_shard:
+                by_shard[shard] = {e.key: e for e in index_shard(str(shard))[0]}
+            e = by_shard[shard].get(key)
+            if e is None:
+                raise CvlError(f"{shard}: no usable sample with key '{key}'")
+            out.append(e)
+        return cls(out, **kw)
+
+    def with_entries(self, entries: Sequence[Entry]) -> PairDataset:
+        """The same transform/tokenizer over other entries (e.g. task data + buffer items)."""
+        return PairDataset(entries, self.transform, self.tokenize)
+
+    # -- reading -----------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def read_raw(self, i: int) -> tuple[Image.Image, str, dict[str, Any]]:
+        """Decode sample i: PIL image (RGB), caption, metadata. Raises on corrupt data."""
+        e = self.entries[i]
+        img = Image.open(io.BytesIO(_FILES.read(e.shard, e.image)))
+        img.load()
+        img = img.convert("RGB")
+        caption = _FILES.read(e.shard, e.text).decode("utf-8").strip()
+        if not caption:
+            raise ValueError("empty caption")
+        meta = json.loads(_FILES.read(e.shard, e.meta).decode("utf-8")) if e.meta else {}
+        return img, caption, meta
+
+    def __getitem__(self, item: int | tuple[int, int]) -> dict[str, Any]:
+        i, aug = (item, None) if isinstance(item, int) else item
+        n = len(self.entries)
+        for replaced in range(n):
+            j = (i + replaced) % n
+            try:
+                img, caption, meta = self.read_raw(j)
+                break
+            except Exception:  # corrupt JPEG, non-UTF-8 text, bad JSON: take the next sample
+                continue
+        else:
+            raise CvlError("every sample of the dataset failed to decode")
+        captions = meta.get("captions") or [caption]
+        if aug is not None and len(captions) > 1:  # training: one caption per visit
+            caption = captions[aug % len(captions)]
+        if self.transform is not None:
+            if aug is None:
+                image = self.transform(img)
+            else:
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(aug)
+                    image = self.transform(img)
+        else:
+            image = img
+        out = {
+            "image": image,
+            "caption": caption,
+            "captions": list(captions),
+            "index": j,
+            "key": self.entries[j].key,
+            "shard": self.entries[j].shard,
+            "task": meta.get("task"),
+            "category": meta.get("category"),
+            "id": meta.get("id", self.entries[j].key),
+            "n_replaced": replaced,
+        }
+        if self.tokenize is not None:
+            out["text"] = self.tokenize([caption])[0]
+        return out
+
+
+def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
+    """Stack tensors, keep the rest as lists; `n_replaced` becomes the batch total."""
+    out: dict[str, Any] = {}
+    for k in items[0]:
+        vals = [it[k] for it in items]
+        if isinstance(vals[0], torch.Tensor):
+            out[k] = torch.stack(vals)
+        elif k == "n_replaced":
+            out[k] = int(sum(vals))
+        else:
+            out[k] = vals
+    return out
+
+
+def global_batches(
+    n: int, global_batch: int, seed: int, epoch: int, shuffle: bool = True, drop_last: bool = True
+) -> list[list[tuple[int, int]]]:
+    """The epoch's global batches as lists of (index, augmentation seed).
+
+    Depends only on (n, global_batch, seed, epoch): every rank computes the same list.
+    A dataset smaller than one global batch gives one (smaller) batch rather than none.
+    """
+    if n <= 0:
+        raise CvlError("cannot make batches from an empty dataset")
+    if shuffle:
+        g = torch.Generator().manual_seed(sample_seed(seed, epoch))
+        order = torch.randperm(n, generator=g).tolist()
+    else:
+        order = list(range(n))
+    batches = []
+    for s in range(0, n, global_batch):
+        idx = order[s : s + global_batch]
+        if drop_last and len(idx) < global_batch and batches:
+            break
+        batches.append([(i, sample_seed(seed, epoch, s + k)) for k, i in enumerate(idx)])
+    return batches
+
+
+def rank_slice(batch: list, rank: int, world: int) -> list:
+    """Rank r's contiguous part of a global batch (gathering in rank order restores it)."""
+    per = -(-len(batch) // world)
+    return batch[rank * per : (rank + 1) * per]
+
+
+def make_loader(
+    dataset: PairDataset,
+    batches: list[list[Any]],
+    rank: int = 0,
+    world: int = 1,
+    num_workers: int = 0,
+) -> DataLoader:
+    """A DataLoader over precomputed global batches, each cut to this rank's slice."""
+    local = [rank_slice(b, rank, world) for b in batches]
+    return DataLoader(
+        dataset,
+        batch_sampler=local,
+        collate_fn=collate,
+        num_workers=num_workers,
+        persistent_workers=False,
+    )
+
+
+def eval_loader(
+    dataset: PairDataset, batch_size: int, rank: int = 0, world: int = 1, num_workers: int = 0
+) -> DataLoader:
+    """In-order batches of this rank's contiguous part of the dataset (gather + trim after)."""
+    n = len(dataset)
+    per = -(-n // world)
+    idx = list(range(rank * per, min(n, (rank + 1) * per)))
+    batches = [idx[s : s + batch_size] for s in range(0, len(idx), batch_size)]
+    return DataLoader(dataset, batch_sampler=batches, collate_fn=collate, num_workers=num_workers)

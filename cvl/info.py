@@ -1,0 +1,79 @@
+"""`cvl info PATH`: describe a stream folder or a run folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from cvl.errors import CvlError
+from cvl.io import read_json
+
+
+def describe_stream(path: Path) -> list[str]:
+    """Lines describing a stream: source, split rule, tasks with counts, eval sets, drops."""
+    from cvl.streams.manifest import BUILD_REPORT, load_manifest
+
+    m = load_manifest(path)
+    lines = [
+        f"stream {m.name}  (source {m.source}, seed {m.seed}, schema cvl.stream/1, cvl {m.cvl_version})",
+        f"split rule: {m.split_rule}",
+        f"task order: {' -> '.join(m.task_order)}",
+    ]
+    sets = list(m.eval_sets)
+    header = f"{'task':>14} {'train':>8} " + " ".join(f"{s:>8}" for s in sets)
+    lines.append(header)
+    for t in m.task_order:
+        row = f"{t:>14} {m.tasks[t].train.count:>8} "
+        row += " ".join(
+            f"{m.eval_sets[s].tasks[t].count if t in m.eval_sets[s].tasks else '-':>8}"
+            for s in sets
+        )
+        if m.tasks[t].description:
+            row += f"  {m.tasks[t].description}"
+        lines.append(row)
+    rep = path / BUILD_REPORT
+    if rep.is_file():
+        r = read_json(rep)
+        lines.append(
+            f"build report: read {r.get('read', '?')}, kept {r.get('kept_total', '?')}, "
+            f"dropped {r.get('dropped_total', 0)} {r.get('dropped') or ''}".rstrip()
+        )
+    return lines
+
+
+def describe_run(path: Path) -> list[str]:
+    """Lines describing a run: method, model, stream, finished tasks, evaluation present."""
+    run = read_json(path / "run.json")
+    cfg = run.get("config", run)
+    lines = [
+        f"run {path.name}: method {cfg.get('method')} {cfg.get('method_args') or ''}".rstrip(),
+        f"model {cfg.get('model')} ({cfg.get('model_config')}), stream {run.get('stream', {}).get('name', cfg.get('stream'))}",
+    ]
+    if cfg.get("buffer"):
+        lines.append(f"buffer {cfg['buffer']} size {cfg.get('buffer_size')}")
+    tasks_dir = path / "tasks"
+    done = sorted(p.name for p in tasks_dir.iterdir() if p.is_dir()) if tasks_dir.is_dir() else []
+    order = run.get("stream", {}).get("task_order") or []
+    lines.append(f"finished tasks: {len(done)}/{len(order) or '?'}  {' '.join(done)}")
+    if (path / "last").is_dir():
+        lines.append("a mid-task checkpoint exists in last/ (rerun `cvl train` to resume)")
+    if (path / "eval" / "metrics.json").is_file():
+        lines.append(f"evaluated: {path / 'eval' / 'metrics.json'}")
+    return lines
+
+
+@click.command("info")
+@click.argument("path", type=click.Path())
+def info(path: str) -> None:
+    """Describe a stream folder (tasks, counts, eval sets) or a run folder (progress)."""
+    p = Path(path)
+    if not p.exists():
+        raise CvlError(f"{p}: no such file or folder")
+    if (p / "run.json").is_file():
+        lines = describe_run(p)
+    elif (p / "stream.json").is_file() or p.name.endswith(".json"):
+        lines = describe_stream(p)
+    else:
+        raise CvlError(f"{p}: neither a stream folder (stream.json) nor a run folder (run.json)")
+    click.echo("\n".join(lines))

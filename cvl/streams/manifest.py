@@ -1,0 +1,306 @@
+"""The stream manifest (`stream.json`): one versioned format for every source.
+
+A stream is a folder::
+
+    stream.json                      this manifest
+    train/<task>/000000.tar ...      webdataset shards: KEY.jpg, KEY.txt, KEY.json
+    eval/<set>/<task>/000000.tar ... per-task evaluation sets (test, val, query, gallery)
+    build_report.json                what the builder read, kept and dropped, and why
+
+Schema ``cvl.stream/1`` (all paths are relative to the stream folder unless absolute)::
+
+    {
+      "schema": "cvl.stream/1",
+      "name": "synth", "source": "synthetic", "source_args": {...},
+      "split_rule": "human-readable rule that made the tasks",
+      "seed": 0, "created": "ISO time", "cvl_version": "0.1.0",
+      "task_order": ["t0", "t1", ...],          # training order (a permutation of the tasks)
+      "tasks": {"t0": {"train": {"shards": [...], "count": 300},
+                       "description": "...", "categories": ["circle", ...]}, ...},
+      "eval_sets": {"test": {"kind": "pairs",
+                             "tasks": {"t0": {"shards": [...], "count": 60}, ...}},
+                    "query": {"kind": "query", "tasks": {...}},
+                    "gallery": {"kind": "gallery", "tasks": {...}}}
+    }
+
+Every sample's KEY.json holds at least ``id``, ``task`` and ``category`` (may be null) and
+optionally ``captions`` (all captions of the image; KEY.txt is the first one).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cvl import __version__
+from cvl.errors import CvlError
+from cvl.io import read_json, write_json
+
+SCHEMA = "cvl.stream/1"
+MANIFEST = "stream.json"
+BUILD_REPORT = "build_report.json"
+EVAL_KINDS = ("pairs", "query", "gallery")
+
+
+@dataclass
+class ShardSet:
+    """A list of shard files and how many samples they hold."""
+
+    shards: list[str]
+    count: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"shards": list(self.shards), "count": int(self.count)}
+
+
+@dataclass
+class TaskInfo:
+    """One task of the stream: its training shards and descriptive metadata."""
+
+    name: str
+    train: ShardSet
+    description: str = ""
+    categories: list[str] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"train": self.train.to_json(), "description": self.description}
+        if self.categories is not None:
+            d["categories"] = list(self.categories)
+        d.update(self.extra)
+        return d
+
+
+@dataclass
+class EvalSet:
+    """An evaluation set split by task: kind is pairs (test/val), query or gallery."""
+
+    kind: str
+    tasks: dict[str, ShardSet]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "tasks": {t: s.to_json() for t, s in self.tasks.items()}}
+
+
+@dataclass
+class Manifest:
+    """In-memory form of `stream.json`; `root` is the folder the relative paths start from."""
+
+    name: str
+    source: str
+    split_rule: str
+    seed: int
+    task_order: list[str]
+    tasks: dict[str, TaskInfo]
+    eval_sets: dict[str, EvalSet] = field(default_factory=dict)
+    source_args: dict[str, Any] = field(default_factory=dict)
+    created: str = ""
+    cvl_version: str = __version__
+    root: Path | None = None
+
+    # -- paths -----------------------------------------------------------------------------
+    def resolve(self, shard: str) -> Path:
+        """Absolute path of a shard entry (relative entries start at the stream folder)."""
+        p = Path(shard)
+        if p.is_absolute() or self.root is None:
+            return p
+        return self.root / p
+
+    def train_shards(self, task: str) -> list[Path]:
+        return [self.resolve(s) for s in self._task(task).train.shards]
+
+    def eval_shards(self, set_name: str, task: str) -> list[Path]:
+        es = self.eval_sets.get(set_name)
+        if es is None:
+            raise CvlError(
+                f"stream '{self.name}' has no eval set '{set_name}' "
+                f"(it has: {', '.join(self.eval_sets) or 'none'})"
+            )
+        if task not in es.tasks:
+            raise CvlError(f"stream '{self.name}': eval set '{set_name}' has no task '{task}'")
+        return [self.resolve(s) for s in es.tasks[task].shards]
+
+    def _task(self, task: str) -> TaskInfo:
+        if task not in self.tasks:
+            raise CvlError(f"stream '{self.name}' has no task '{task}' (tasks: {self.task_order})")
+        return self.tasks[task]
+
+    # -- (de)serialisation -------------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "name": self.name,
+            "source": self.source,
+            "source_args": self.source_args,
+            "split_rule": self.split_rule,
+            "seed": self.seed,
+            "created": self.created
+            or _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "cvl_version": self.cvl_version,
+            "task_order": list(self.task_order),
+            "tasks": {n: self.tasks[n].to_json() for n in self.tasks},
+            "eval_sets": {n: e.to_json() for n, e in self.eval_sets.items()},
+        }
+
+    @property
+    def fingerprint(self) -> dict[str, Any]:
+        """What identifies the stream's content for a run's config check."""
+        return {
+            "name": self.name,
+            "source": self.source,
+            "seed": self.seed,
+            "task_order": list(self.task_order),
+            "counts": {t: self.tasks[t].train.count for t in self.task_order},
+        }
+
+
+def _err(where: str, msg: str) -> CvlError:
+    return CvlError(f"stream.json: {where}: {msg}")
+
+
+def _req(d: dict, key: str, typ: type | tuple, where: str) -> Any:
+    if key not in d:
+        raise _err(where, f"missing field '{key}'")
+    v = d[key]
+    if typ is int and isinstance(v, bool):
+        raise _err(f"{where}.{key}", "must be an integer")
+    if not isinstance(v, typ):
+        tname = typ.__name__ if isinstance(typ, type) else "/".join(t.__name__ for t in typ)
+        raise _err(f"{where}.{key}", f"must be {tname}, got {type(v).__name__}")
+    return v
+
+
+def _shardset(d: Any, where: str, allow_empty: bool = False) -> ShardSet:
+    if not isinstance(d, dict):
+        raise _err(where, "must be an object with 'shards' and 'count'")
+    shards = _req(d, "shards", list, where)
+    count = _req(d, "count", int, where)
+    if count < 0 or (count == 0 and not allow_empty):
+        raise _err(f"{where}.count", f"must be a positive integer, got {count}")
+    for i, s in enumerate(shards):
+        if not isinstance(s, str) or not s:
+            raise _err(f"{where}.shards[{i}]", "must be a non-empty path string")
+        if ".." in Path(s).parts:
+            raise _err(f"{where}.shards[{i}]", f"path '{s}' escapes the stream folder")
+    if count > 0 and not shards:
+        raise _err(f"{where}.shards", "is empty but count > 0")
+    return ShardSet(shards=list(shards), count=count)
+
+
+def manifest_from_json(d: Any, root: Path | None = None) -> Manifest:
+    """Validate a parsed `stream.json` and build a Manifest; errors name the exact field."""
+    if not isinstance(d, dict):
+        raise _err("top level", "must be a JSON object")
+    schema = _req(d, "schema", str, "top level")
+    if schema != SCHEMA:
+        raise _err("schema", f"unsupported schema '{schema}' (this cvl reads '{SCHEMA}')")
+    name = _req(d, "name", str, "top level")
+    source = _req(d, "source", str, "top level")
+    split_rule = d.get("split_rule", "")
+    seed = _req(d, "seed", int, "top level")
+    order = _req(d, "task_order", list, "top level")
+    tasks_d = _req(d, "tasks", dict, "top level")
+    if not tasks_d:
+        raise _err("tasks", "a stream needs at least one task")
+    tasks: dict[str, TaskInfo] = {}
+    for tname, td in tasks_d.items():
+        where = f"tasks['{tname}']"
+        if not isinstance(td, dict):
+            raise _err(where, "must be an object")
+        extra = {k: v for k, v in td.items() if k not in ("train", "description", "categories")}
+        cats = td.get("categories")
+        if cats is not None and not isinstance(cats, list):
+            raise _err(f"{where}.categories", "must be a list")
+        tasks[tname] = TaskInfo(
+            name=tname,
+            train=_shardset(td.get("train"), f"{where}.train"),
+            description=str(td.get("description", "")),
+            categories=cats,
+            extra=extra,
+        )
+    for i, t in enumerate(order):
+        if t not in tasks:
+            raise _err(f"task_order[{i}]", f"unknown task '{t}' (tasks: {sorted(tasks)})")
+    if len(set(order)) != len(order):
+        raise _err("task_order", "lists a task twice")
+    if not order:
+        raise _err("task_order", "is empty")
+    eval_sets: dict[str, EvalSet] = {}
+    for sname, sd in (d.get("eval_sets") or {}).items():
+        where = f"eval_sets['{sname}']"
+        if not isinstance(sd, dict):
+            raise _err(where, "must be an object")
+        kind = _req(sd, "kind", str, where)
+        if kind not in EVAL_KINDS:
+            raise _err(f"{where}.kind", f"must be one of {EVAL_KINDS}, got '{kind}'")
+        per_task = _req(sd, "tasks", dict, where)
+        sets = {}
+        for tname, ss in per_task.items():
+            if tname not in tasks:
+                raise _err(f"{where}.tasks", f"unknown task '{tname}'")
+            sets[tname] = _shardset(ss, f"{where}.tasks['{tname}']", allow_empty=True)
+        eval_sets[sname] = EvalSet(kind=kind, tasks=sets)
+    return Manifest(
+        name=name,
+        source=source,
+        split_rule=str(split_rule),
+        seed=seed,
+        task_order=list(order),
+        tasks=tasks,
+        eval_sets=eval_sets,
+        source_args=dict(d.get("source_args") or {}),
+        created=str(d.get("created", "")),
+        cvl_version=str(d.get("cvl_version", "")),
+        root=root,
+    )
+
+
+def load_manifest(stream: str | os.PathLike, check_files: bool = True) -> Manifest:
+    """Load and validate `STREAM/stream.json` (or a path to the file itself).
+
+    With `check_files`, every listed shard must exist: a clear error names the first missing one.
+    """
+    p = Path(stream)
+    if p.is_dir():
+        mpath = p / MANIFEST
+    elif p.name.endswith(".json"):
+        mpath = p
+    else:
+        raise CvlError(f"{p}: not a stream folder (no such directory)")
+    if not mpath.is_file():
+        raise CvlError(
+            f"{p}: not a stream folder (no {MANIFEST}); build one with `cvl build-stream`"
+        )
+    m = manifest_from_json(read_json(mpath), root=mpath.parent.absolute())
+    if check_files:
+        for t in m.task_order:
+            for s in m.train_shards(t):
+                if not s.is_file():
+                    raise CvlError(f"stream '{m.name}': task '{t}': missing shard {s}")
+        for sname, es in m.eval_sets.items():
+            for t in es.tasks:
+                for s in m.eval_shards(sname, t):
+                    if not s.is_file():
+                        raise CvlError(
+                            f"stream '{m.name}': eval set '{sname}', task '{t}': missing shard {s}"
+                        )
+    return m
+
+
+def save_manifest(m: Manifest, folder: str | os.PathLike) -> Path:
+    """Validate and write `folder/stream.json` (validation runs on the JSON that is written)."""
+    d = m.to_json()
+    manifest_from_json(d)  # refuse to write something we could not read back
+    path = Path(folder) / MANIFEST
+    write_json(path, d)
+    return path
+
+
+def with_task_order(m: Manifest, order: list[str]) -> Manifest:
+    """A copy of `m` trained in another order (no data is touched)."""
+    d = m.to_json()
+    d["task_order"] = list(order)
+    return manifest_from_json(d, root=m.root)

@@ -1,0 +1,124 @@
+"""Writing webdataset shards (real tars: KEY.jpg, KEY.txt, KEY.json) and the build report."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import webdataset as wds
+from PIL import Image
+
+from cvl.io import write_json
+from cvl.streams.manifest import BUILD_REPORT, ShardSet
+
+_KEY_BAD = re.compile(r"[^A-Za-z0-9_\-]")
+
+
+def safe_key(raw: str) -> str:
+    """A webdataset key from any id: no dots (they split extensions), no path separators."""
+    key = _KEY_BAD.sub("_", str(raw))
+    return key or "_"
+
+
+def encode_jpeg(img: Image.Image, quality: int = 95) -> bytes:
+    """Encode a PIL image as RGB JPEG bytes (deterministic for the same pixels)."""
+    buf = io.BytesIO()
+    img.convert("RGB").save(buf, format="JPEG", quality=quality)
+    return buf.getvalue()
+
+
+class ShardSink:
+    """Writes samples into `root/rel/000000.tar, 000001.tar, ...` with at most `maxcount` each.
+
+    Tar headers carry a fixed mtime and owner so the same samples give the same bytes.
+    """
+
+    def __init__(self, root: Path, rel: str, maxcount: int = 10000) -> None:
+        self.root = Path(root)
+        self.rel = rel.strip("/")
+        self.maxcount = maxcount
+        self.count = 0
+        self.shards: list[str] = []
+        self._writer: wds.TarWriter | None = None
+        self._in_shard = 0
+        self._keys: set[str] = set()
+
+    def _open(self) -> None:
+        rel = f"{self.rel}/{len(self.shards):06d}.tar"
+        path = self.root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._writer = wds.TarWriter(str(path), mtime=0.0, user="cvl", group="cvl", encoder=False)
+        self.shards.append(rel)
+        self._in_shard = 0
+
+    def write(self, key: str, jpg: bytes, caption: str, meta: dict[str, Any]) -> str:
+        """Add one sample; returns the (unique within this sink) key actually used."""
+        key = safe_key(key)
+        base, n = key, 1
+        while key in self._keys:
+            key, n = f"{base}_{n}", n + 1
+        self._keys.add(key)
+        if self._writer is None or self._in_shard >= self.maxcount:
+            self.close_shard()
+            self._open()
+        assert self._writer is not None
+        self._writer.write(
+            {
+                "__key__": key,
+                "jpg": jpg,
+                "txt": caption.encode("utf-8"),
+                "json": json.dumps(meta, ensure_ascii=False, sort_keys=True).encode("utf-8"),
+            }
+        )
+        self._in_shard += 1
+        self.count += 1
+        return key
+
+    def close_shard(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def close(self) -> ShardSet:
+        """Finish the last shard and describe what was written."""
+        self.close_shard()
+        return ShardSet(shards=list(self.shards), count=self.count)
+
+
+class BuildReport:
+    """Counts of what a builder read, kept and dropped (with reasons and a few examples)."""
+
+    def __init__(self, max_examples: int = 20) -> None:
+        self.read = 0
+        self.kept: Counter[str] = Counter()
+        self.dropped: Counter[str] = Counter()
+        self.examples: dict[str, list[str]] = {}
+        self.max_examples = max_examples
+        self.notes: dict[str, Any] = {}
+
+    def keep(self, split: str) -> None:
+        self.kept[split] += 1
+
+    def drop(self, reason: str, example: str = "") -> None:
+        self.dropped[reason] += 1
+        ex = self.examples.setdefault(reason, [])
+        if example and len(ex) < self.max_examples:
+            ex.append(example)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "read": self.read,
+            "kept": dict(self.kept),
+            "kept_total": sum(self.kept.values()),
+            "dropped": dict(self.dropped),
+            "dropped_total": sum(self.dropped.values()),
+            "dropped_examples": self.examples,
+            **self.notes,
+        }
+
+    def save(self, folder: Path) -> None:
+        write_json(Path(folder) / BUILD_REPORT, self.to_json())

@@ -1,0 +1,29 @@
+"""Shared fixtures: a small synthetic stream built once per session; CPU threads kept low."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(int(os.environ.get("CVL_TEST_THREADS", "1")))
+
+
+@pytest.fixture(scope="session")
+def synth_stream(tmp_path_factory):
+    """A 3-task synthetic stream (96 train pairs per task, 24 test, 12 val/query, 24 gallery)."""
+    from cvl.streams.synthetic import SynthSpec, build_synthetic
+
+    out = tmp_path_factory.mktemp("streams") / "synth"
+    spec = SynthSpec(
+        tasks=3,
+        per_task=96,
+        test_per_task=24,
+        val_per_task=12,
+        query_per_task=12,
+        gallery_per_task=24,
+        seed=0,
+    )
+    build_synthetic(out, spec, progress=False)
+    return out

@@ -11,8 +11,14 @@ A `VLModel` is an `nn.Module` with:
 - `forward(images, tokens) -> dict` with at least `image_features`, `text_features`
   (normalised) and `logit_scale`; the fusion model adds `image_embeds` (ViT tokens),
   `image_atts`, `text_cls` / `image_cls` (un-projected CLS states) and `text_hidden`;
-- `has_fusion`: whether `mlm(...)` exists (the fusion encoder with cross-attention);
-- `config() -> dict`: JSON-able, rebuilds the same architecture via `cvl.models.build_model`.
+- `has_fusion`: whether the fusion encoder (cross-attention + MLM head) exists; then also
+  `mask_tokens(tokens, generator, prob=0.15) -> (masked_ids, labels)`,
+  `mlm_logits(image_embeds, image_atts, masked_ids) -> [N, L, V]`,
+  `mlm_loss(images_or_embeds, tokens, generator | masked=...) -> (loss, logits, labels)`,
+  `fusion_cls(image_embeds, tokens) -> [N, H]` and `forward(..., mlm_ids=...)` adding
+  `mlm_logits` (see `cvl.models.fusion`);
+- `config() -> dict`: JSON-able and complete (kind, architecture, tokenizer, image_size,
+  embed_dim); `cvl.models.model_from_config(cfg)` rebuilds the same architecture.
 
 Terms that need the fusion encoder (MLM, MLM distillation) check `model.has_fusion` and raise
 `MissingFusionError` with a clear message instead of silently skipping.

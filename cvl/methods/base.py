@@ -1,0 +1,178 @@
+"""The method contract: hooks the one training loop calls, and what they receive.
+
+A method is a small class registered under its CLI name (`cvl.methods.registry.register`).
+It holds only what makes it different: extra loss terms and the state they need (reference,
+momentum or historical models, queues, importance weights). Replay buffers are separate
+(`cvl.methods.buffers`) and combine with any method.
+
+Hook order per task: `before_task` → for every step [`before_step` → forward →
+`loss` → backward/optimizer → `after_step`] → `after_task`. On resume mid-task the loop calls
+`before_task(ctx)` (with `ctx.resuming` True) and then `load_state_dict(saved)`, so state that
+evolves during a task (momentum/historical models, queues) must be in `state_dict()`; state
+fixed at task start (the previous task's model) is rebuilt by `before_task` from disk through
+`ctx.previous_model()`.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from cvl.dist import gather_no_grad, local_rows
+from cvl.errors import CvlError
+from cvl.losses import clip_loss
+
+
+@dataclass
+class TaskContext:
+    """What hooks see: the model, where we are in the stream, and loop services."""
+
+    model: Any  # VLModel (plain module, never DDP-wrapped)
+    accelerator: Any
+    config: Any  # TrainConfig
+    manifest: Any
+    run_dir: Any
+    task_index: int = 0
+    task_name: str = ""
+    epoch: int = 0
+    step: int = 0  # optimizer steps taken in this task
+    global_step: int = 0
+    steps_in_task: int = 0
+    resuming: bool = False
+    buffer: Any = None
+    generator: torch.Generator | None = None  # re-seeded every step: same on all ranks
+    task_entries: list = field(default_factory=list)  # this task's training samples
+    #: diagnostics a method reports for this step (floats, not part of the loss); the loop
+    #: averages them over ranks and micro-batches and logs them next to the loss terms.
+    metrics: dict = field(default_factory=dict)
+    services: Any = None  # the loop: previous_model(), embed(entries), log_note(...)
+
+    @property
+    def first_task(self) -> bool:
+        return self.task_index == 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+    def previous_model(self) -> nn.Module | None:
+        """The frozen model saved at the end of the previous task (None on the first task)."""
+        return self.services.previous_model(self) if self.task_index > 0 else None
+
+
+def frozen_copy(model: nn.Module) -> nn.Module:
+    """A deep copy with gradients off, in eval mode (reference / old / teacher models)."""
+    m = copy.deepcopy(model)
+    m.eval()
+    for p in m.parameters():
+        p.requires_grad_(False)
+    return m
+
+
+class Method:
+    """Base class: plain fine-tuning with the architecture's own loss (ITC, + MLM for fusion)."""
+
+    name = "base"
+    defaults: dict[str, Any] = {}
+    #: False for methods that never train (zero-shot).
+    trains = True
+    #: True if the method cannot work without a replay buffer.
+    needs_buffer = False
+
+    def __init__(self, args: dict[str, Any] | None = None) -> None:
+        self.args = self.resolve_args(args or {})
+
+    @classmethod
+    def resolve_args(cls, args: dict[str, Any]) -> dict[str, Any]:
+        """Defaults overridden by `args`, each coerced to its default's type (clear errors)."""
+        out = dict(cls.defaults)
+        for k, v in args.items():
+            if k not in cls.defaults:
+                known = ", ".join(cls.defaults) or "none"
+                raise CvlError(f"method '{cls.name}' has no argument '{k}' (arguments: {known})")
+            d = cls.defaults[k]
+            try:
+                if isinstance(d, bool):
+                    v = v if isinstance(v, bool) else str(v).lower() in ("1", "true", "yes", "on")
+                elif d is not None and not isinstance(v, type(d)):
+                    v = type(d)(v)
+            except (TypeError, ValueError):
+                raise CvlError(
+                    f"method '{cls.name}': {k}={v!r} is not a {type(d).__name__}"
+                ) from None
+            out[k] = v
+        return out
+
+    @classmethod
+    def summary(cls) -> str:
+        """First line of the class docstring."""
+        return (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
+
+    # -- hooks ------------------------------------------------------------------------------
+    def setup(self, ctx: TaskContext) -> None:
+        """Once per run, after the model exists (before the first task or after a resume)."""
+
+    def task_entries(self, ctx: TaskContext) -> list:
+        """Training samples of this task: its own data plus the replay buffer's items."""
+        extra = ctx.buffer.entries() if ctx.buffer is not None else []
+        return list(ctx.task_entries) + list(extra)
+
+    def before_task(self, ctx: TaskContext) -> None:
+        pass
+
+    def before_step(self, ctx: TaskContext) -> None:
+        pass
+
+    def loss(
+        self, batch: dict[str, Any], out: dict[str, torch.Tensor], ctx: TaskContext
+    ) -> dict[str, torch.Tensor]:
+        return base_loss(ctx.model, batch, out, ctx)
+
+    def after_step(self, ctx: TaskContext) -> None:
+        pass
+
+    def after_task(self, ctx: TaskContext) -> None:
+        pass
+
+    def extra_parameters(self) -> list[nn.Parameter]:
+        """Trainable parameters the method owns besides the model's (optimised with it)."""
+        return []
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything that evolves during a task (tensors and JSON-able values, nested)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def base_loss(
+    model: Any, batch: dict[str, Any], out: dict[str, torch.Tensor], ctx: TaskContext
+) -> dict[str, torch.Tensor]:
+    """The architecture's own pretraining loss: ITC over the global batch (+ MLM for fusion)."""
+    terms = {"itc": clip_loss(out["image_features"], out["text_features"], out["logit_scale"])}
+    if getattr(model, "has_fusion", False):
+        terms["mlm"] = mlm_term(model, batch, out, ctx)[0]
+    return terms
+
+
+def mlm_term(model: Any, batch: dict[str, Any], out: dict[str, torch.Tensor], ctx: TaskContext):
+    """MLM loss of the fusion model on this step's masking; returns (loss, logits, masked, labels).
+
+    The masking is drawn from `ctx.generator` for the whole global batch and this rank keeps
+    its rows, so N processes mask exactly as one process would; a teacher (momentum or old
+    model) can be queried on the same `masked` ids.
+    """
+    model.require_fusion("MLM")
+    tokens = batch["text"]
+    masked, labels = model.mask_tokens(gather_no_grad(tokens), generator=ctx.generator)
+    rows = local_rows(tokens.shape[0])
+    masked, labels = masked[rows], labels[rows]
+    loss, logits, labels = model.mlm_loss(
+        out["image_embeds"], tokens, masked=(masked, labels), image_atts=out.get("image_atts")
+    )
+    return loss, logits, masked, labels

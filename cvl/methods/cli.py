@@ -1,0 +1,26 @@
+"""`cvl methods`: list the registered methods with a one-line description and defaults."""
+
+from __future__ import annotations
+
+import click
+
+
+@click.command("methods")
+@click.option("--verbose", "-v", is_flag=True, help="Show the full docstring of each method.")
+def methods(verbose: bool) -> None:
+    """List the methods `cvl train --method` accepts, with their defaults.
+
+    Override a default with `--method-arg NAME=VALUE` (repeatable) or `method_args:` in YAML.
+    Any method combines with a replay buffer: `--buffer reservoir|ring|kmeans|mof`.
+    """
+    from cvl.methods.registry import all_methods
+
+    for name, cls in all_methods().items():
+        click.echo(f"{name:<10} {cls.summary()}")
+        if cls.defaults:
+            click.echo(
+                " " * 11 + "defaults: " + ", ".join(f"{k}={v}" for k, v in cls.defaults.items())
+            )
+        if verbose and cls.__doc__:
+            for line in cls.__doc__.strip().splitlines()[1:]:
+                click.echo(" " * 11 + line.strip())

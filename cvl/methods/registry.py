@@ -1,0 +1,48 @@
+"""Method registry: `@register("name")` on a Method subclass makes it a `--method` choice."""
+
+from __future__ import annotations
+
+import importlib
+
+from cvl.errors import CvlError
+
+_REGISTRY: dict[str, type] = {}
+
+# Modules that register methods; `cvl methods` and `--method` see all of them.
+METHOD_MODULES = [
+    "cvl.methods.seqft",
+    "cvl.methods.joint",
+    "cvl.methods.zeroshot",
+]
+
+
+def register(name: str):
+    """Class decorator registering a Method under its CLI name."""
+
+    def deco(cls: type) -> type:
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise RuntimeError(f"method '{name}' registered twice")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def _load_all() -> None:
+    for mod in METHOD_MODULES:
+        importlib.import_module(mod)
+
+
+def all_methods() -> dict[str, type]:
+    """Every registered method, by name (sorted)."""
+    _load_all()
+    return dict(sorted(_REGISTRY.items()))
+
+
+def get_method(name: str) -> type:
+    """The Method class for a CLI name, or a CvlError listing the choices."""
+    methods = all_methods()
+    if name not in methods:
+        raise CvlError(f"unknown method '{name}' (available: {', '.join(methods)})")
+    return methods[name]

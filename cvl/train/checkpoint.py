@@ -1,0 +1,76 @@
+"""Checkpoint files: weights and method state in safetensors, the rest in JSON.
+
+Method state is a nested dict of tensors and JSON values; `save_state` flattens it into
+`NAME.safetensors` (tensors, keys joined by '/') + `NAME.json` (everything else), and
+`load_state` rebuilds the same nesting. Optimizer/scheduler states are saved with
+`torch.save` and always loaded with `weights_only=True` (no pickle execution).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from cvl.io import read_json, write_json
+
+_TENSOR = "__tensor__"
+
+
+def _split(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        key = prefix or "_"
+        tensors[key] = obj.detach().cpu().contiguous().clone()
+        return {_TENSOR: key}
+    if isinstance(obj, dict):
+        return {
+            str(k): _split(v, f"{prefix}/{k}" if prefix else str(k), tensors)
+            for k, v in obj.items()
+        }
+    if isinstance(obj, (list, tuple)):
+        return [_split(v, f"{prefix}/{i}", tensors) for i, v in enumerate(obj)]
+    return obj
+
+
+def _join(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(obj, dict):
+        if set(obj) == {_TENSOR}:
+            return tensors[obj[_TENSOR]]
+        return {k: _join(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_join(v, tensors) for v in obj]
+    return obj
+
+
+def save_state(folder: str | os.PathLike, name: str, state: dict[str, Any]) -> None:
+    """Write `folder/name.safetensors` + `folder/name.json`."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton = _split(state, "", tensors)
+    save_file(tensors, str(folder / f"{name}.safetensors"))
+    write_json(folder / f"{name}.json", skeleton)
+
+
+def load_state(folder: str | os.PathLike, name: str) -> dict[str, Any]:
+    """Inverse of `save_state` (empty dict if the files do not exist)."""
+    folder = Path(folder)
+    if not (folder / f"{name}.json").is_file():
+        return {}
+    tensors = (
+        load_file(str(folder / f"{name}.safetensors"))
+        if (folder / f"{name}.safetensors").is_file()
+        else {}
+    )
+    return _join(read_json(folder / f"{name}.json"), tensors)
+
+
+def save_torch(path: str | os.PathLike, obj: Any) -> None:
+    torch.save(obj, str(path))
+
+
+def load_torch(path: str | os.PathLike) -> Any:
+    return torch.load(str(path), map_location="cpu", weights_only=True)

@@ -1,0 +1,176 @@
+"""`cvl train`: train a method on a stream, one task after another (resumable)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+# CLI option name -> TrainConfig field; only options given explicitly override the YAML.
+_OPTS = [
+    "stream",
+    "out",
+    "method",
+    "model",
+    "model_config",
+    "pretrained",
+    "epochs",
+    "batch_size",
+    "lr",
+    "min_lr",
+    "weight_decay",
+    "warmup",
+    "grad_clip",
+    "grad_accum",
+    "precision",
+    "seed",
+    "augment",
+    "buffer",
+    "buffer_size",
+    "workers",
+    "checkpoint_every",
+    "log_with",
+    "max_steps_per_task",
+]
+
+
+@click.command("train")
+@click.option("--stream", type=click.Path(), help="Stream folder (from `cvl build-stream`).")
+@click.option(
+    "--out", type=click.Path(file_okay=False), help="Run folder; rerun the same command to resume."
+)
+@click.option(
+    "--method", default="seqft", show_default=True, help="Method name (see `cvl methods`)."
+)
+@click.option(
+    "--method-arg",
+    "method_arg",
+    multiple=True,
+    metavar="NAME=VALUE",
+    help="Override a method default (repeatable).",
+)
+@click.option(
+    "--model",
+    default="clip",
+    show_default=True,
+    type=click.Choice(["clip", "fusion"]),
+    help="Dual encoder (open_clip) or ALBEF-style fusion model.",
+)
+@click.option(
+    "--model-config",
+    default="tiny",
+    show_default=True,
+    help="Packaged config (tiny, tiny-vit), open_clip architecture (RN50, ViT-B-32), or JSON file.",
+)
+@click.option(
+    "--pretrained",
+    default=None,
+    type=click.Path(),
+    help="Local weights file to start from (no downloads).",
+)
+@click.option("--epochs", type=int, default=2, show_default=True, help="Epochs per task.")
+@click.option(
+    "--batch-size",
+    type=int,
+    default=64,
+    show_default=True,
+    help="Per-process batch; global = this × processes.",
+)
+@click.option(
+    "--lr",
+    type=float,
+    default=5e-4,
+    show_default=True,
+    help="Peak AdamW learning rate (re-created per task).",
+)
+@click.option("--min-lr", type=float, default=0.0, show_default=True, help="Cosine schedule floor.")
+@click.option("--weight-decay", type=float, default=0.1, show_default=True)
+@click.option(
+    "--warmup",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="Warm-up: fraction of the task's steps (<1) or steps (>=1).",
+)
+@click.option(
+    "--grad-clip", type=float, default=0.0, show_default=True, help="Max gradient norm (0 = off)."
+)
+@click.option(
+    "--grad-accum", type=int, default=1, show_default=True, help="Micro-batches per optimizer step."
+)
+@click.option(
+    "--precision", default="no", show_default=True, type=click.Choice(["no", "bf16", "fp16"])
+)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--augment",
+    default="openclip",
+    show_default=True,
+    type=click.Choice(["openclip", "ctp", "none"]),
+)
+@click.option(
+    "--buffer",
+    default=None,
+    type=click.Choice(["reservoir", "ring", "kmeans", "mof"]),
+    help="Replay buffer strategy (any method).",
+)
+@click.option("--buffer-size", type=int, default=0, help="Replay buffer capacity (pairs).")
+@click.option(
+    "--workers", type=int, default=0, show_default=True, help="DataLoader worker processes."
+)
+@click.option(
+    "--checkpoint-every",
+    type=int,
+    default=50,
+    show_default=True,
+    help="Optimizer steps between mid-task checkpoints.",
+)
+@click.option(
+    "--log-with",
+    default="auto",
+    show_default=True,
+    type=click.Choice(["auto", "tensorboard", "wandb", "none"]),
+)
+@click.option(
+    "--max-steps-per-task", type=int, default=0, help="Stop each task after N steps (smoke tests)."
+)
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(),
+    default=None,
+    help="YAML recipe; explicit options override it.",
+)
+@click.option(
+    "--force", is_flag=True, help="Continue an existing run folder even if the config changed."
+)
+@click.option("--quiet", is_flag=True, help="No progress bars.")
+@click.pass_context
+def train(
+    ctx: click.Context,
+    method_arg: tuple[str, ...],
+    config_path: str | None,
+    force: bool,
+    quiet: bool,
+    **kw: Any,
+) -> None:
+    """Train METHOD on every task of a stream, in the stream's task order.
+
+    Writes RUN/run.json (resolved config), RUN/init/ (initial weights), one checkpoint per
+    finished task in RUN/tasks/NN-name/, and a mid-task checkpoint in RUN/last/. Rerunning
+    the same command resumes where it stopped; a different config is refused unless --force.
+    Multi-process: `torchrun --nproc_per_node N -m cvl train ...` or `accelerate launch`.
+    """
+    from click.core import ParameterSource
+
+    from cvl.train.config import parse_method_args, resolve
+    from cvl.train.loop import Trainer
+
+    overrides = {
+        k: kw[k]
+        for k in _OPTS
+        if ctx.get_parameter_source(k) not in (ParameterSource.DEFAULT, None) or config_path is None
+    }
+    overrides["method_args"] = parse_method_args(method_arg)
+    cfg = resolve(config_path, overrides)
+    Trainer(cfg, force=force, progress=not quiet).run()

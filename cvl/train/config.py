@@ -1,0 +1,140 @@
+"""Training configuration: dataclass defaults < YAML file (`--config`) < explicit CLI options.
+
+The resolved config is stored in `run.json`; rerunning `cvl train` on the same folder compares
+the parts that change results (`RESULT_KEYS`) and refuses a different config unless --force.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from cvl.errors import CvlError
+
+
+@dataclass
+class TrainConfig:
+    """Everything `cvl train` needs; field names are the YAML keys and the CLI option names."""
+
+    stream: str = ""
+    out: str = ""
+    method: str = "seqft"
+    method_args: dict[str, Any] = field(default_factory=dict)
+    model: str = "clip"
+    model_config: str = "tiny"
+    pretrained: str | None = None
+    epochs: int = 2
+    batch_size: int = 64  # per process; the global batch is batch_size × processes
+    lr: float = 5e-4
+    min_lr: float = 0.0
+    weight_decay: float = 0.1
+    warmup: float = 0.0  # fraction of the task's optimizer steps (< 1) or a step count (≥ 1)
+    beta1: float = 0.9
+    beta2: float = 0.98
+    eps: float = 1e-6
+    grad_clip: float = 0.0  # max global grad norm; 0 = off
+    grad_accum: int = 1
+    precision: str = "no"  # no | bf16 | fp16
+    seed: int = 0
+    augment: str = "openclip"  # openclip | ctp | none
+    buffer: str | None = None
+    buffer_size: int = 0
+    workers: int = 0
+    checkpoint_every: int = 50  # optimizer steps between mid-task checkpoints (0 = per task only)
+    log_every: int = 1
+    log_with: str = "auto"  # auto (tensorboard if installed) | tensorboard | wandb | none
+    max_steps_per_task: int = 0  # debugging / smoke tests: stop each task early (0 = off)
+
+    def validate(self) -> TrainConfig:
+        """Clear one-line errors for values no run could use."""
+        pos = ("epochs", "batch_size", "grad_accum", "log_every")
+        for k in pos:
+            if getattr(self, k) <= 0:
+                raise CvlError(f"--{k.replace('_', '-')} must be positive, got {getattr(self, k)}")
+        if self.lr <= 0:
+            raise CvlError(f"--lr must be positive, got {self.lr}")
+        if self.model not in ("clip", "fusion"):
+            raise CvlError(f"--model must be clip or fusion, got '{self.model}'")
+        if self.precision not in ("no", "bf16", "fp16"):
+            raise CvlError(f"--precision must be no, bf16 or fp16, got '{self.precision}'")
+        if self.augment not in ("openclip", "ctp", "none"):
+            raise CvlError(f"--augment must be openclip, ctp or none, got '{self.augment}'")
+        if self.buffer and self.buffer_size <= 0:
+            raise CvlError(f"--buffer {self.buffer} needs a positive --buffer-size")
+        if self.buffer_size and not self.buffer:
+            raise CvlError("--buffer-size given without --buffer (reservoir, ring, kmeans, mof)")
+        if not self.stream:
+            raise CvlError("--stream is required")
+        if not self.out:
+            raise CvlError("--out is required")
+        return self
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# Keys that do not change what is computed (a resumed run may change them freely).
+NON_RESULT_KEYS = {"out", "workers", "checkpoint_every", "log_every", "log_with", "stream"}
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """A recipe YAML as a dict of TrainConfig fields (unknown keys are an error)."""
+    p = Path(path)
+    if not p.is_file():
+        raise CvlError(f"--config {p}: file not found")
+    try:
+        d = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as e:
+        raise CvlError(f"--config {p}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(d, dict):
+        raise CvlError(f"--config {p}: must be a mapping of option: value")
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    bad = sorted(set(d) - known)
+    if bad:
+        raise CvlError(f"--config {p}: unknown key(s) {', '.join(bad)}")
+    return d
+
+
+def resolve(yaml_path: str | None, overrides: dict[str, Any]) -> TrainConfig:
+    """Defaults, then the YAML file, then explicit CLI overrides (method_args merged)."""
+    base: dict[str, Any] = {}
+    if yaml_path:
+        base = load_yaml(yaml_path)
+    margs = dict(base.get("method_args") or {})
+    margs.update(overrides.pop("method_args", None) or {})
+    base.update(overrides)
+    base["method_args"] = margs
+    types = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
+    cfg = TrainConfig()
+    for k, v in base.items():
+        d = getattr(cfg, k)
+        try:
+            if v is not None and isinstance(d, bool):
+                v = bool(v)
+            elif v is not None and isinstance(d, (int, float)) and not isinstance(d, bool):
+                v = type(d)(v)
+        except (TypeError, ValueError):
+            raise CvlError(f"config: {k}={v!r} should be {types[k]}") from None
+        setattr(cfg, k, v)
+    return cfg.validate()
+
+
+def parse_method_args(items: tuple[str, ...]) -> dict[str, Any]:
+    """`k=v` strings (values parsed as YAML scalars: 1e-3, true, 20)."""
+    out = {}
+    for it in items:
+        if "=" not in it:
+            raise CvlError(f"--method-arg '{it}': expected NAME=VALUE")
+        k, v = it.split("=", 1)
+        out[k.strip()] = yaml.safe_load(v)
+    return out
+
+
+def config_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Lines 'key: old -> new' for result-changing keys that differ."""
+    keys = sorted((set(old) | set(new)) - NON_RESULT_KEYS)
+    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]

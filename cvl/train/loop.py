@@ -1,0 +1,551 @@
+"""The one training loop, shared by every method (HF Accelerate for processes and precision).
+
+Data: each task's samples (+ the replay buffer's) are a map-style dataset; every epoch's
+global batches are a function of (seed, task, epoch) only, and rank r takes slice r of each
+global batch, so 2 processes × batch B compute exactly what 1 process × batch 2B does (the
+contrastive matrices are built over the gathered global batch, gradients are averaged across
+ranks). Each optimizer step re-seeds torch's RNG and `ctx.generator` from (seed, task, epoch,
+step), so a resumed run replays the same randomness without saving RNG states.
+
+Files (see `cvl/runs.py`): run.json, init/ (initial weights), tasks/NN-name/ (one per
+finished task: model, method state, log), last/ (mid-task checkpoint, atomic), logs/.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from cvl import __version__
+from cvl.data.reader import PairDataset, eval_loader, global_batches, make_loader, sample_seed
+from cvl.data.transforms import image_transform
+from cvl.dist import all_reduce_mean, average_gradients, broadcast_module
+from cvl.errors import CvlError
+from cvl.io import atomic_dir, read_json, write_json
+from cvl.methods.base import Method, TaskContext, frozen_copy
+from cvl.methods.registry import get_method
+from cvl.runs import MODEL_FILE, RUN_JSON, RUN_SCHEMA, task_dir
+from cvl.streams.manifest import Manifest, load_manifest
+from cvl.train.checkpoint import load_state, load_torch, save_state, save_torch
+from cvl.train.config import TrainConfig, config_diff
+
+LAST = "last"
+METHOD_STATE = "method_state"
+
+
+def cosine_schedule(total: int, warmup: float, base_lr: float, min_lr: float):
+    """LR multiplier: linear warm-up, then cosine from base_lr to min_lr over `total` steps."""
+    w = int(round(warmup * total)) if warmup < 1 else int(warmup)
+    floor = min_lr / base_lr if base_lr > 0 else 0.0
+
+    def f(step: int) -> float:
+        if w > 0 and step < w:
+            return (step + 1) / w
+        p = (step - w) / max(1, total - w)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, p)))
+
+    return f
+
+
+class Trainer:
+    """Runs (or resumes) `cfg` into `cfg.out`; call `run()`."""
+
+    def __init__(self, cfg: TrainConfig, force: bool = False, progress: bool = True) -> None:
+        from accelerate import Accelerator
+
+        self.cfg = cfg
+        self.out = Path(cfg.out)
+        self.progress = progress
+        log_with = self._trackers(cfg.log_with)
+        try:
+            self.acc = Accelerator(
+                mixed_precision=cfg.precision,
+                log_with=log_with,
+                project_dir=str(self.out / "logs"),
+                cpu=not torch.cuda.is_available(),  # CPU multi-process (gloo) needs cpu=True
+            )
+        except (ValueError, RuntimeError) as e:
+            raise CvlError(f"accelerate: {e}") from None
+        self.manifest: Manifest = load_manifest(cfg.stream)
+        self.method_cls = get_method(cfg.method)
+        self.method: Method = self.method_cls(cfg.method_args)
+        if self.method.needs_buffer and not cfg.buffer:
+            raise CvlError(
+                f"method '{cfg.method}' needs a replay buffer: add --buffer reservoir --buffer-size N"
+            )
+        self._prepare_run_dir(force)
+        self._entries: dict[str, list] = {}
+        self._prev_cache: tuple[int, Any] | None = None
+
+    # -- setup -------------------------------------------------------------------------------
+    @staticmethod
+    def _trackers(log_with: str) -> list[str] | None:
+        if log_with == "none":
+            return None
+        if log_with == "auto":
+            try:
+                import tensorboard  # noqa: F401
+
+                return ["tensorboard"]
+            except ImportError:
+                return None
+        return [log_with]
+
+    def _run_json(self) -> dict[str, Any]:
+        import accelerate
+        import open_clip
+
+        m = self.manifest
+        return {
+            "schema": RUN_SCHEMA,
+            "config": self.cfg.to_json(),
+            "model": self.model.config(),
+            "stream": {
+                "path": str(Path(self.cfg.stream).absolute()),
+                "name": m.name,
+                "task_order": list(m.task_order),
+                "fingerprint": m.fingerprint,
+            },
+            "versions": {
+                "cvl": __version__,
+                "torch": torch.__version__,
+                "open_clip": open_clip.__version__,
+                "accelerate": accelerate.__version__,
+                "python": platform.python_version(),
+            },
+            "processes": self.acc.num_processes,
+        }
+
+    def _prepare_run_dir(self, force: bool) -> None:
+        from cvl.models import build_model
+
+        cfg = self.cfg
+        torch.manual_seed(cfg.seed)
+        self.model = build_model(cfg.model, cfg.model_config, pretrained=cfg.pretrained)
+        self._sync_batchnorm()
+        self.model.to(self.acc.device)
+        broadcast_module(self.model)
+        rj = self.out / RUN_JSON
+        if rj.is_file():
+            old = read_json(rj)
+            diff = config_diff(old.get("config", {}), cfg.to_json())
+            if old.get("stream", {}).get("fingerprint") != self.manifest.fingerprint:
+                diff.append("stream: content differs (name, seed, task order or counts)")
+            if diff and not force:
+                raise CvlError(
+                    f"{self.out} holds a run with another config ({'; '.join(diff)}); "
+                    "use another --out, or --force to continue with the new config"
+                )
+            self.resumed = True
+        else:
+            if self.out.exists() and any(self.out.iterdir()):
+                raise CvlError(
+                    f"{self.out} exists and is not a cvl run folder; choose another --out"
+                )
+            self.resumed = False
+        self.acc.wait_for_everyone()  # every rank has checked the folder before rank 0 writes
+        if self.acc.is_main_process:
+            self.out.mkdir(parents=True, exist_ok=True)
+            write_json(rj, self._run_json())
+            if not (self.out / "init" / MODEL_FILE).is_file():
+                from cvl.models import save_weights
+
+                with atomic_dir(self.out / "init", overwrite=True) as tmp:
+                    save_weights(self.model, tmp / MODEL_FILE)
+        self.acc.wait_for_everyone()
+
+    def _sync_batchnorm(self) -> None:
+        """BatchNorm statistics over the global batch when several GPUs train (SyncBatchNorm).
+
+        torch's SyncBatchNorm has no CPU kernel, so multi-process CPU runs keep per-process
+        statistics (as plain DDP does) and say so; models without BatchNorm are unaffected.
+        """
+        has_bn = any(
+            isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in self.model.modules()
+        )
+        if not has_bn or self.acc.num_processes == 1:
+            return
+        if self.acc.device.type == "cuda":
+            self.model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(self.model)
+        elif self.acc.is_main_process:
+            self.acc.print(
+                "note: the model has BatchNorm; on CPU its statistics are per process "
+                "(no SyncBatchNorm kernel), so N processes x batch B differ slightly from 1 x N*B"
+            )
+
+    # -- services for methods and buffers ------------------------------------------------------
+    def entries_of(self, task: str) -> list:
+        """Training entries of a task (indexed once per run)."""
+        if task not in self._entries:
+            ds = PairDataset.from_shards(self.manifest.train_shards(task))
+            self._entries[task] = ds.entries
+            self.skipped = getattr(self, "skipped", {})
+            self.skipped[task] = dict(ds.skipped)
+        return self._entries[task]
+
+    def previous_model(self, ctx: TaskContext) -> Any:
+        """Frozen copy of the weights saved after task `ctx.task_index - 1`."""
+        from cvl.models import load_weights
+
+        i = ctx.task_index - 1
+        if self._prev_cache is None or self._prev_cache[0] != i:
+            m = frozen_copy(self.model)
+            load_weights(m, task_dir(self.out, i, self.order[i]) / MODEL_FILE)
+            self._prev_cache = (i, m.to(self.acc.device))
+        return self._prev_cache[1]
+
+    @torch.no_grad()
+    def pair_features(self, entries: list, batch_size: int = 256) -> torch.Tensor:
+        """One feature per pair for buffer selection: fusion CLS, else normalise(v + w)."""
+        model = self.model
+        ds = PairDataset(entries, image_transform(model.image_size, train=False), model.tokenizer)
+        was = model.training
+        model.eval()
+        feats = []
+        rank, world = self.acc.process_index, self.acc.num_processes
+        for b in eval_loader(ds, batch_size, rank=rank, world=world):
+            img, txt = b["image"].to(self.acc.device), b["text"].to(self.acc.device)
+            out = model(img, txt)
+            if getattr(model, "has_fusion", False):
+                f = torch.nn.functional.normalize(
+                    model.fusion_cls(out["image_embeds"], txt), dim=-1
+                )
+            else:
+                f = torch.nn.functional.normalize(
+                    out["image_features"] + out["text_features"], dim=-1
+                )
+            feats.append(f.float())
+        model.train(was)
+        local = torch.cat(feats) if feats else torch.zeros(0, model.embed_dim)
+        if world > 1:
+            from cvl.evaluation.embed import _gather_rows
+
+            return _gather_rows(local, self.acc, len(ds))
+        return local.cpu()
+
+    # -- the loop ----------------------------------------------------------------------------
+    def run(self) -> None:
+        cfg, acc = self.cfg, self.acc
+        self.order = list(self.manifest.task_order)
+        if self.acc.is_main_process and self._trackers(cfg.log_with):
+            acc.init_trackers("cvl", config={k: str(v) for k, v in cfg.to_json().items()})
+        buffer = None
+        if cfg.buffer:
+            from cvl.methods.buffers import build_buffer
+
+            buffer = build_buffer(cfg.buffer, cfg.buffer_size, cfg.seed, self.manifest.root)
+        ctx = TaskContext(
+            model=self.model,
+            accelerator=acc,
+            config=cfg,
+            manifest=self.manifest,
+            run_dir=self.out,
+            buffer=buffer,
+            services=self,
+        )
+        self.method.setup(ctx)
+        single = getattr(self.method, "single_task", False)
+        indices = [len(self.order) - 1] if single else list(range(len(self.order)))
+        start, pos = self._resume_point(indices, ctx)
+        for ti in indices:
+            if ti < start:
+                continue
+            self._train_task(ti, ctx, pos if ti == start else None)
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            acc.end_training()
+
+    def _resume_point(self, indices: list[int], ctx: TaskContext) -> tuple[int, dict | None]:
+        """First task to train and, if a mid-task checkpoint matches it, its position."""
+        from cvl.models import load_weights
+
+        done = [i for i in indices if (task_dir(self.out, i, self.order[i]) / MODEL_FILE).is_file()]
+        start = next((i for i in indices if i not in done), len(self.order))
+        if done:
+            last_done = max(done)
+            d = task_dir(self.out, last_done, self.order[last_done])
+            load_weights(self.model, d / MODEL_FILE)
+            st = load_state(d, METHOD_STATE)
+            self._restore_method_state(st, ctx)
+        pos = None
+        lp = self.out / LAST / "position.json"
+        if lp.is_file():
+            pos = read_json(lp)
+            if pos.get("task_index") != start:
+                pos = None  # stale (from a task that has since finished)
+        if start >= len(self.order) and self.acc.is_main_process:
+            self.acc.print(
+                f"{self.out}: all {len(self.order)} tasks already trained; nothing to do"
+            )
+        elif (done or pos) and self.acc.is_main_process:
+            where = f"task {start} ({self.order[start]})" + (f", step {pos['step']}" if pos else "")
+            self.acc.print(f"resuming {self.out} at {where}")
+        return start, pos
+
+    def _restore_method_state(self, st: dict[str, Any], ctx: TaskContext) -> None:
+        if not st:
+            return
+        self.method.load_state_dict(st.get("method", {}))
+        if ctx.buffer is not None and st.get("buffer"):
+            ctx.buffer.load_state_dict(st["buffer"])
+
+    def _method_state(self, ctx: TaskContext) -> dict[str, Any]:
+        st: dict[str, Any] = {"method": self.method.state_dict()}
+        if ctx.buffer is not None:
+            st["buffer"] = ctx.buffer.state_dict()
+        return st
+
+    def _params(self) -> list[torch.nn.Parameter]:
+        ps = [p for p in self.model.parameters() if p.requires_grad]
+        return ps + [p for p in self.method.extra_parameters() if p.requires_grad]
+
+    def _optimizer(self, steps: int):
+        cfg = self.cfg
+        decay, no_decay = [], []
+        for p in self._params():
+            (decay if p.ndim >= 2 else no_decay).append(p)  # no decay on gains, biases, scales
+        opt = torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": cfg.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=cfg.lr,
+            betas=(cfg.beta1, cfg.beta2),
+            eps=cfg.eps,
+        )
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, cosine_schedule(steps, cfg.warmup, cfg.lr, cfg.min_lr)
+        )
+        return self.acc.prepare_optimizer(opt, device_placement=False), sched
+
+    def _train_task(self, ti: int, ctx: TaskContext, pos: dict | None) -> None:
+        cfg, acc = self.cfg, self.acc
+        name = self.order[ti]
+        ctx.task_index, ctx.task_name, ctx.resuming = ti, name, pos is not None
+        ctx.task_entries = self.entries_of(name)
+        ctx.epoch = ctx.step = 0
+        self._log_path = self.out / "logs" / f"{ti:02d}-{name}.jsonl"
+        if not self.method.trains:
+            self._finish_task(ti, ctx, [])
+            return
+        self.method.before_task(ctx)
+        entries = self.method.task_entries(ctx)
+        ds = PairDataset(
+            entries,
+            transform=image_transform(self.model.image_size, train=True, augment=cfg.augment),
+            tokenize=self.model.tokenizer,
+        )
+        gb = cfg.batch_size * acc.num_processes
+        batches_per_epoch = len(global_batches(len(ds), gb, 0, 0))
+        steps_per_epoch = max(1, batches_per_epoch // cfg.grad_accum)
+        total = steps_per_epoch * cfg.epochs
+        if cfg.max_steps_per_task:
+            total = min(total, cfg.max_steps_per_task)
+        ctx.steps_in_task = total
+        opt, sched = self._optimizer(total)
+        epoch0, batch0 = 0, 0
+        if pos is not None:
+            last = self.out / LAST
+            from cvl.models import load_weights
+
+            load_weights(self.model, last / MODEL_FILE)
+            opt.load_state_dict(load_torch(last / "optimizer.pt"))
+            sched.load_state_dict(load_torch(last / "scheduler.pt"))
+            self._restore_method_state(load_state(last, METHOD_STATE), ctx)
+            epoch0, batch0, ctx.step = pos["epoch"], pos["batch"], pos["step"]
+            self._truncate_log(ctx.step)
+        elif acc.is_main_process and self._log_path.exists():
+            self._log_path.unlink()
+        ctx.global_step = sum(self._steps_done_before(ti)) + ctx.step
+        self.model.train()
+        bar = tqdm(
+            total=total,
+            initial=ctx.step,
+            desc=f"task {ti + 1}/{len(self.order)} {name}",
+            disable=not (self.progress and acc.is_main_process),
+            unit="step",
+            dynamic_ncols=True,
+        )
+        seed_task = sample_seed(cfg.seed, ti)
+        done = ctx.step >= total
+        for epoch in range(epoch0, cfg.epochs):
+            if done:
+                break
+            ctx.epoch = epoch
+            batches = global_batches(len(ds), gb, seed_task, epoch)
+            usable = (len(batches) // cfg.grad_accum) * cfg.grad_accum or len(batches)
+            start = batch0 if epoch == epoch0 else 0
+            loader = make_loader(
+                ds, batches[start:usable], acc.process_index, acc.num_processes, cfg.workers
+            )
+            micro, t0, n_seen, replaced = 0, time.perf_counter(), 0, 0
+            sums: dict[str, float] = {}
+            mets: dict[str, float] = {}
+            for bi, batch in enumerate(loader, start=start):
+                if micro == 0:
+                    torch.manual_seed(sample_seed(cfg.seed, ti, epoch, ctx.step, acc.process_index))
+                    ctx.generator = torch.Generator().manual_seed(
+                        sample_seed(cfg.seed, ti, epoch, ctx.step)
+                    )
+                    self.method.before_step(ctx)
+                batch["image"] = batch["image"].to(acc.device, non_blocking=True)
+                batch["text"] = batch["text"].to(acc.device, non_blocking=True)
+                with acc.autocast():
+                    out = self.model(batch["image"], batch["text"])
+                    terms = self.method.loss(batch, out, ctx)
+                if not terms:
+                    raise CvlError(f"method '{cfg.method}' returned no loss terms")
+                loss = sum(terms.values())
+                if not torch.isfinite(loss):
+                    raise CvlError(
+                        f"non-finite loss at task {name}, step {ctx.step}: "
+                        + ", ".join(f"{k}={float(v):.4g}" for k, v in terms.items())
+                    )
+                acc.backward(loss / cfg.grad_accum)
+                for k, v in terms.items():
+                    sums[k] = sums.get(k, 0.0) + float(v.detach()) / cfg.grad_accum
+                for k, v in ctx.metrics.items():
+                    mets[k] = mets.get(k, 0.0) + float(v) / cfg.grad_accum
+                ctx.metrics = {}
+                n_seen += batch["image"].shape[0]
+                replaced += batch["n_replaced"]
+                micro += 1
+                if micro < cfg.grad_accum:
+                    continue
+                micro = 0
+                params = self._params()
+                average_gradients(params)
+                gnorm = None
+                if cfg.grad_clip > 0:
+                    gnorm = float(acc.clip_grad_norm_(params, cfg.grad_clip))
+                lr = opt.param_groups[0]["lr"]
+                opt.step()
+                sched.step()
+                opt.zero_grad(set_to_none=True)
+                ctx.step += 1
+                ctx.global_step += 1
+                self.method.after_step(ctx)
+                dt = time.perf_counter() - t0
+                rec = {
+                    "task": name,
+                    "task_index": ti,
+                    "epoch": epoch,
+                    "step": ctx.step,
+                    "global_step": ctx.global_step,
+                    "lr": lr,
+                    "loss": float(all_reduce_mean(torch.tensor(sum(sums.values())))),
+                    **{k: float(all_reduce_mean(torch.tensor(v))) for k, v in sums.items()},
+                    "samples_per_s": n_seen * acc.num_processes / max(dt, 1e-9),
+                    "replaced_samples": replaced,
+                }
+                rec.update(
+                    {f"m/{k}": float(all_reduce_mean(torch.tensor(v))) for k, v in mets.items()}
+                )
+                if gnorm is not None:
+                    rec["grad_norm"] = gnorm
+                self._log(rec, ctx)
+                bar.update()
+                bar.set_postfix(loss=f"{rec['loss']:.3f}")
+                sums, mets, n_seen, replaced, t0 = {}, {}, 0, 0, time.perf_counter()
+                if ctx.step >= total:
+                    done = True
+                    break
+                if cfg.checkpoint_every and ctx.step % cfg.checkpoint_every == 0:
+                    nxt = (epoch, bi + 1) if bi + 1 < usable else (epoch + 1, 0)
+                    self._save_last(ctx, opt, sched, {"epoch": nxt[0], "batch": nxt[1]})
+            batch0 = 0
+        bar.close()
+        self.method.after_task(ctx)
+        if ctx.buffer is not None:
+            ctx.buffer.update(name, ctx.task_entries, ctx)
+        self._finish_task(ti, ctx, [])
+
+    def _steps_done_before(self, ti: int) -> list[int]:
+        out = []
+        for i in range(ti):
+            p = self.out / "logs" / f"{i:02d}-{self.order[i]}.jsonl"
+            if p.is_file():
+                lines = p.read_text().splitlines()
+                out.append(json.loads(lines[-1])["step"] if lines else 0)
+        return out
+
+    # -- files -------------------------------------------------------------------------------
+    def _log(self, rec: dict[str, Any], ctx: TaskContext) -> None:
+        if not self.acc.is_main_process:
+            return
+        if ctx.step % self.cfg.log_every == 0 or ctx.step == ctx.steps_in_task:
+            self._log_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self._log_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(rec) + "\n")
+            if self._trackers(self.cfg.log_with):
+                scalars = {
+                    f"{ctx.task_name}/{k}": v for k, v in rec.items() if isinstance(v, float)
+                }
+                self.acc.log(scalars, step=ctx.global_step)
+
+    def _truncate_log(self, step: int) -> None:
+        """Drop log lines written after the checkpoint we resume from (they will be redone)."""
+        if not self.acc.is_main_process or not self._log_path.is_file():
+            return
+        keep = [
+            ln
+            for ln in self._log_path.read_text().splitlines()
+            if ln and json.loads(ln)["step"] <= step
+        ]
+        self._log_path.write_text("".join(ln + "\n" for ln in keep))
+
+    def _save_last(self, ctx: TaskContext, opt: Any, sched: Any, where: dict[str, int]) -> None:
+        """Mid-task checkpoint: written to a temp folder, then renamed over last/."""
+        from cvl.models import save_weights
+
+        state = self._method_state(ctx)  # collective-free; every rank computes it
+        if self.acc.is_main_process:
+            with atomic_dir(self.out / LAST, overwrite=True) as tmp:
+                save_weights(self.model, tmp / MODEL_FILE)
+                save_torch(tmp / "optimizer.pt", opt.state_dict())
+                save_torch(tmp / "scheduler.pt", sched.state_dict())
+                save_state(tmp, METHOD_STATE, state)
+                write_json(
+                    tmp / "position.json",
+                    {
+                        "task_index": ctx.task_index,
+                        "task": ctx.task_name,
+                        "step": ctx.step,
+                        **where,
+                    },
+                )
+        self.acc.wait_for_everyone()
+
+    def _finish_task(self, ti: int, ctx: TaskContext, _: list) -> None:
+        from cvl.models import save_weights
+
+        state = self._method_state(ctx)
+        if self.acc.is_main_process:
+            d = task_dir(self.out, ti, self.order[ti])
+            with atomic_dir(d, overwrite=True) as tmp:
+                save_weights(self.model, tmp / MODEL_FILE)
+                save_state(tmp, METHOD_STATE, state)
+                if self._log_path.is_file():
+                    shutil.copy(self._log_path, tmp / "train_log.jsonl")
+                write_json(
+                    tmp / "task.json",
+                    {
+                        "task": ctx.task_name,
+                        "index": ti,
+                        "steps": ctx.step,
+                        "train_items": len(ctx.task_entries),
+                        "buffer_items": len(ctx.buffer) if ctx.buffer is not None else 0,
+                        "skipped": getattr(self, "skipped", {}).get(ctx.task_name, {}),
+                    },
+                )
+            shutil.rmtree(self.out / LAST, ignore_errors=True)
+            self.acc.print(f"task {ti + 1}/{len(self.order)} {ctx.task_name}: saved {d}")
+        self.acc.wait_for_everyone()

@@ -1,0 +1,114 @@
+"""Replay buffers: reservoir uniformity, ring quotas, k-means and herding selection/shrink."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+
+from cvl.data.reader import Entry
+from cvl.methods.buffers import build_buffer, quotas_by_size
+from cvl.methods.buffers.mof import herding_order
+
+
+def _entries(task: str, n: int) -> list[Entry]:
+    return [Entry(f"/s/{task}.tar", f"{task}-{i}", (0, 1), (0, 1), None) for i in range(n)]
+
+
+class _Services:
+    def __init__(self, feats):
+        self.feats = feats
+
+    def pair_features(self, entries):
+        import torch
+
+        return torch.tensor(self.feats[entries[0].shard])
+
+
+def _ctx(feats=None):
+    return SimpleNamespace(accelerator=None, services=_Services(feats or {}))
+
+
+def test_reservoir_is_uniform_over_everything_seen():
+    n_tasks, per, size, trials = 3, 20, 10, 600
+    counts = {}
+    for seed in range(trials):
+        b = build_buffer("reservoir", size, seed, None)
+        for t in range(n_tasks):
+            b.update(f"t{t}", _entries(f"t{t}", per), _ctx())
+        assert len(b) == size
+        for refs in b.items.values():
+            for _, key in refs:
+                counts[key] = counts.get(key, 0) + 1
+    freq = (
+        np.array([counts.get(f"t{t}-{i}", 0) for t in range(n_tasks) for i in range(per)]) / trials
+    )
+    # every one of the 60 items is kept with probability size/60 = 1/6 (binomial sd ≈ 0.015)
+    assert abs(freq.mean() - size / 60) < 1e-9
+    assert np.all(np.abs(freq - 1 / 6) < 0.07)
+    per_task = [freq[t * per : (t + 1) * per].mean() for t in range(n_tasks)]
+    assert max(per_task) - min(per_task) < 0.04  # old tasks not favoured or starved
+
+
+def test_ring_equal_quotas_reselected_from_buffer():
+    b = build_buffer("ring", 12, 0, None)
+    b.update("a", _entries("a", 50), _ctx())
+    assert [len(v) for v in b.items.values()] == [12]
+    first = set(b.items["a"])
+    b.update("b", _entries("b", 50), _ctx())
+    assert {t: len(v) for t, v in b.items.items()} == {"a": 6, "b": 6}
+    assert set(b.items["a"]) <= first  # older task re-selected from what the buffer held
+    b.update("c", _entries("c", 3), _ctx())
+    assert {t: len(v) for t, v in b.items.items()} == {"a": 4, "b": 4, "c": 3}
+
+
+def test_quota_proportional_to_task_size():
+    assert quotas_by_size({"a": 100, "b": 300}, 40) == {"a": 10, "b": 30}
+    q = quotas_by_size({"a": 1, "b": 1, "c": 1}, 10)
+    assert sum(q.values()) <= 10 and min(q.values()) == 3
+
+
+def test_kmeans_keeps_one_item_per_cluster_nearest_centroid():
+    rng = np.random.default_rng(0)
+    centres = np.eye(4) * 10
+    feats, nearest = [], []
+    for c in range(4):
+        pts = centres[c] + rng.normal(0, 0.5, (10, 4))
+        pts[3] = centres[c] + 0.01  # the planted nearest point of each cluster
+        nearest.append(c * 10 + 3)
+        feats.append(pts)
+    b = build_buffer("kmeans", 4, 0, None)
+    es = _entries("a", 40)
+    b.update("a", es, _ctx({"/s/a.tar": np.concatenate(feats)}))
+    kept = sorted(int(k.split("-")[1]) for _, k in b.items["a"])
+    assert kept == nearest
+
+
+def test_herding_order_and_shrink_keeps_the_prefix():
+    feats = np.array([[0.0, 0.0], [10.0, 0.0], [0.0, 10.0], [5.0, 5.0], [9.0, 9.0]])
+    # mean = (4.8, 4.8): (5, 5) first; then the item that moves the mean of 2 closest ...
+    order = herding_order(feats, 5)
+    assert order[0] == 3
+    assert sorted(order) == [0, 1, 2, 3, 4]
+    mu = feats.mean(0)
+    acc = feats[3].copy()
+    best = min(
+        (i for i in range(5) if i != 3), key=lambda i: np.sum(((acc + feats[i]) / 2 - mu) ** 2)
+    )
+    assert order[1] == best
+    b = build_buffer("mof", 4, 0, None)
+    b.update("a", _entries("a", 5), _ctx({"/s/a.tar": feats}))
+    herded = list(b.items["a"])
+    assert [int(k.split("-")[1]) for _, k in herded] == order[:4]
+    b.update("b", _entries("b", 5), _ctx({"/s/a.tar": feats, "/s/b.tar": feats}))
+    assert b.items["a"] == herded[:2]  # shrinking keeps the best (first) herded items
+
+
+def test_state_round_trip():
+    b = build_buffer("reservoir", 5, 1, None)
+    b.update("a", _entries("a", 9), _ctx())
+    c = build_buffer("reservoir", 5, 1, None)
+    c.load_state_dict(b.state_dict())
+    b.update("b", _entries("b", 9), _ctx())
+    c.update("b", _entries("b", 9), _ctx())
+    assert b.items == c.items

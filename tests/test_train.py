@@ -1,0 +1,136 @@
+"""The training engine: per-task checkpoints, methods seqft/joint/zeroshot, buffers, resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from cvl.cli import main
+from cvl.errors import CvlError
+from cvl.runs import finished_tasks, load_run
+from cvl.train.config import resolve
+from cvl.train.loop import Trainer, cosine_schedule
+
+FAST = dict(epochs=1, batch_size=16, log_with="none", checkpoint_every=0, model_config="tiny")
+
+
+def _train(stream, out, force=False, **kw):
+    cfg = resolve(None, {"stream": str(stream), "out": str(out), **FAST, **kw})
+    t = Trainer(cfg, force=force, progress=False)
+    t.run()
+    return t
+
+
+def _weights(path):
+    return load_file(str(path))
+
+
+def test_seqft_writes_one_checkpoint_per_task(synth_stream, tmp_path):
+    _train(synth_stream, tmp_path / "r", epochs=2)
+    run = load_run(tmp_path / "r")
+    assert run["config"]["method"] == "seqft" and run["stream"]["task_order"] == ["t0", "t1", "t2"]
+    done = finished_tasks(tmp_path / "r")
+    assert [(c.index, c.name) for c in done] == [(0, "t0"), (1, "t1"), (2, "t2")]
+    assert (tmp_path / "r" / "init" / "model.safetensors").is_file()
+    log = [json.loads(x) for x in (done[0].path / "train_log.jsonl").read_text().splitlines()]
+    assert len(log) == 2 * (96 // 16) and {"itc", "loss", "lr", "samples_per_s"} <= set(log[0])
+    assert log[-1]["itc"] < log[0]["itc"]  # it learns
+    w0, w1 = _weights(done[0].model_path), _weights(done[1].model_path)
+    assert any(not torch.equal(w0[k], w1[k]) for k in w0)
+    assert not (tmp_path / "r" / "last").exists()
+
+
+def test_joint_and_cumulative(synth_stream, tmp_path):
+    _train(synth_stream, tmp_path / "j", method="joint")
+    done = finished_tasks(tmp_path / "j")
+    assert [c.index for c in done] == [2]
+    assert json.loads((done[0].path / "task.json").read_text())["train_items"] == 96
+    steps = len((done[0].path / "train_log.jsonl").read_text().splitlines())
+    assert steps == 3 * 96 // 16  # trained on the union of the three tasks
+    _train(synth_stream, tmp_path / "c", method="joint", method_args={"cumulative": True})
+    logs = [
+        len((c.path / "train_log.jsonl").read_text().splitlines())
+        for c in finished_tasks(tmp_path / "c")
+    ]
+    assert logs == [6, 12, 18]
+
+
+def test_zeroshot_saves_initial_weights_everywhere(synth_stream, tmp_path):
+    _train(synth_stream, tmp_path / "z", method="zeroshot")
+    init = _weights(tmp_path / "z" / "init" / "model.safetensors")
+    for c in finished_tasks(tmp_path / "z"):
+        w = _weights(c.model_path)
+        assert all(torch.equal(init[k], w[k]) for k in init)
+
+
+def test_reservoir_buffer_is_mixed_in_and_saved(synth_stream, tmp_path):
+    _train(synth_stream, tmp_path / "b", buffer="reservoir", buffer_size=32, max_steps_per_task=2)
+    done = finished_tasks(tmp_path / "b")
+    st = json.loads((done[1].path / "method_state.json").read_text())
+    assert sum(len(v) for v in st["buffer"]["items"].values()) == 32
+    assert set(st["buffer"]["items"]) == {"t0", "t1"}
+    info = json.loads((done[1].path / "task.json").read_text())
+    assert info["buffer_items"] == 32
+
+
+def test_resume_mid_task_gives_identical_weights(synth_stream, tmp_path, monkeypatch):
+    kw = dict(epochs=2, checkpoint_every=2, max_steps_per_task=5)
+    _train(synth_stream, tmp_path / "a", **kw)
+    from cvl.methods.seqft import SeqFT
+
+    calls = {"n": 0}
+
+    def boom(self, ctx):
+        calls["n"] += 1
+        if ctx.task_index == 1 and ctx.step == 3:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(SeqFT, "after_step", boom)
+    with pytest.raises(KeyboardInterrupt):
+        _train(synth_stream, tmp_path / "b", **kw)
+    assert json.loads((tmp_path / "b" / "last" / "position.json").read_text())["step"] == 2
+    monkeypatch.undo()
+    _train(synth_stream, tmp_path / "b", **kw)
+    a = _weights(finished_tasks(tmp_path / "a")[-1].model_path)
+    b = _weights(finished_tasks(tmp_path / "b")[-1].model_path)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    la = (finished_tasks(tmp_path / "a")[1].path / "train_log.jsonl").read_text().splitlines()
+    lb = (finished_tasks(tmp_path / "b")[1].path / "train_log.jsonl").read_text().splitlines()
+    assert [json.loads(x)["loss"] for x in la] == [json.loads(x)["loss"] for x in lb]
+
+
+def test_changed_config_is_refused_unless_forced(synth_stream, tmp_path):
+    _train(synth_stream, tmp_path / "r", max_steps_per_task=1)
+    with pytest.raises(CvlError, match=r"lr: 0.0005 -> 0.001"):
+        _train(synth_stream, tmp_path / "r", max_steps_per_task=1, lr=1e-3)
+    _train(synth_stream, tmp_path / "r", max_steps_per_task=1, workers=0, log_every=5)  # same
+    _train(synth_stream, tmp_path / "r", max_steps_per_task=1, lr=1e-3, force=True)
+    assert load_run(tmp_path / "r")["config"]["lr"] == 1e-3
+
+
+def test_cosine_schedule():
+    f = cosine_schedule(10, 0.2, 1.0, 0.1)
+    assert [round(f(s), 4) for s in (0, 1)] == [0.5, 1.0]
+    assert f(2) == pytest.approx(1.0) and f(10) == pytest.approx(0.1)
+    assert f(6) == pytest.approx(0.1 + 0.9 * 0.5)
+
+
+@pytest.mark.parametrize(
+    "argv, msg",
+    [
+        (["--method", "nope"], "unknown method 'nope'"),
+        (["--buffer-size", "10"], "--buffer-size given without --buffer"),
+        (["--epochs", "0"], "--epochs must be positive"),
+        (["--method-arg", "cumulative"], "expected NAME=VALUE"),
+        (["--method", "joint", "--method-arg", "alpha=2"], "has no argument 'alpha'"),
+    ],
+)
+def test_cli_errors(synth_stream, tmp_path, argv, msg, capsys):
+    rc = main(
+        ["train", "--stream", str(synth_stream), "--out", str(tmp_path / "x"), "--quiet", *argv]
+    )
+    assert rc == 2
+    assert msg in capsys.readouterr().err

@@ -1,0 +1,109 @@
+"""Conceptual Captions sources: CC12M (`url<TAB>caption`) and CC3M (`caption<TAB>url`).
+
+Both files are headerless TSVs, one pair per line, no quoting. A pair's id is the source name
+and its 0-based line number (``cc12m-000001234``), stable across samples and reruns.
+
+Split: IncCLIP's *instance* split: ``--sample N`` training pairs drawn at random (seeded) and cut
+into ``--chunks K`` equal chunks, plus ``--test``/``--val`` pairs per chunk held out from the
+same draw. DHA's CITM task is the same with one chunk (``--chunks 1 --sample 130000 --val 13000
+--test 5000``). The class split (BEiT pseudo-labels) is `pipeline.ClassSplit`, fed with a label
+per row by the pseudo-labelling step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from cvl.errors import CvlError
+from cvl.streams.manifest import Manifest
+from cvl.streams.pipeline import BuildOptions, Dropper, InstanceSplit, Row, build_stream, clean_text
+from cvl.streams.table import collect, iter_lines, require_file
+from cvl.streams.writer import BuildReport
+
+LAYOUTS = {"cc12m": ("url", "caption"), "cc3m": ("caption", "url")}
+SPLITS_AVAILABLE = ("instance",)
+
+
+def parse_cc(source: str, path: Path):  # noqa: ANN201
+    """A parser of one CC line (fields) into a Row, dropping bad lines with a reason."""
+    iu, ic = (0, 1) if LAYOUTS[source][0] == "url" else (1, 0)
+
+    def parse(no: int, fields: Any, d: Dropper | None) -> Row | None:
+        where = f"{path.name}:{no + 1}"
+        if fields is None or len(fields) != 2:
+            if d:
+                d(
+                    "malformed_row",
+                    where=where,
+                    detail=f"{0 if fields is None else len(fields)} field(s), want 2",
+                )
+            return None
+        url, cap = fields[iu].strip(), clean_text(fields[ic])
+        row = Row(id=f"{source}-{no:09d}", caption=cap or "", url=url or None)
+        if no == 0 and url.lower() == "url":  # a header line some mirrors add
+            return None
+        if not url.lower().startswith(("http://", "https://")):
+            if d:
+                d("bad_url" if url else "missing_url", row, detail=url[:200])
+            return None
+        if cap is None:
+            if d:
+                d("missing_caption", row)
+            return None
+        try:
+            cap.encode("utf-8")
+            url.encode("utf-8")
+        except UnicodeEncodeError:
+            if d:
+                d("non_utf8", row)
+            return None
+        return row
+
+    return parse
+
+
+def build_cc(
+    source: str,
+    tsv: str | Path,
+    opts: BuildOptions,
+    *,
+    split: str = "instance",
+    chunks: int = 4,
+    sample: int | None = None,
+    val: int = 0,
+    test: int = 0,
+) -> Manifest:
+    """`cvl build-stream cc12m|cc3m`: an instance-split stream from the TSV."""
+    if source not in LAYOUTS:
+        raise CvlError(f"unknown CC source '{source}'")
+    if split not in SPLITS_AVAILABLE:
+        raise CvlError(f"--split {split}: only {', '.join(SPLITS_AVAILABLE)} is available here")
+    path = require_file(tsv, "--tsv")
+    report = BuildReport()
+    drop = Dropper(report)
+    need = None if sample is None else sample + chunks * (val + test)
+    opts.log(
+        f"{source}: reading {path}" + (f" (sampling {need} pairs, two passes)" if need else "")
+    )
+    rows = collect(
+        lambda: iter_lines(path),
+        parse_cc(source, path),
+        drop,
+        report,
+        sample=need,
+        seed=opts.seed,
+        progress=opts.progress,
+    )
+    names = [source] if chunks == 1 else [f"chunk{i}" for i in range(chunks)]
+    rule = InstanceSplit(chunks, train=sample, val=val, test=test, seed=opts.seed, names=names)
+    args = {
+        "tsv": str(path),
+        "layout": "\\t".join(LAYOUTS[source]),
+        "split": split,
+        "chunks": chunks,
+        "sample": sample,
+        "val": val,
+        "test": test,
+    }
+    return build_stream(rows, rule, opts, source=source, report=report, drop=drop, source_args=args)

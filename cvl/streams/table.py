@@ -1,0 +1,415 @@
+"""Reading tabular sources (CSV / TSV / JSONL / JSON / parquet, plain or .gz) into `Row`s.
+
+The readers never stop at a bad record: a line that is not valid UTF-8, has the wrong number of
+fields, is not valid JSON, or lacks a URL or caption is dropped with a reason and the next one
+is read. `collect` optionally draws a seeded random sample in two passes (pass 1 only notes
+which records are usable, pass 2 parses the chosen ones), so a 12M-line CC12M file never sits
+in memory as rows.
+
+`build_table` is the generic source ``cvl build-stream table``: any table with an image URL or
+path column and a caption column, optional task / category / id / split columns.
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import io
+import json
+import re
+import sys
+from array import array
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cvl.errors import CvlError
+from cvl.streams.manifest import Manifest
+from cvl.streams.pipeline import (
+    SPLITS,
+    BuildOptions,
+    ColumnSplit,
+    Dropper,
+    InstanceSplit,
+    Row,
+    SplitRule,
+    build_stream,
+    clean_text,
+    has_surrogates,
+)
+from cvl.streams.writer import BuildReport
+
+FORMATS = ("csv", "tsv", "jsonl", "json", "parquet")
+_URL = re.compile(r"^https?://", re.I)
+csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
+
+Record = tuple[int, Any]  # (record number, fields: list[str] | dict | None if unreadable)
+
+
+def require_file(path: str | Path, what: str) -> Path:
+    p = Path(path)
+    if not p.is_file():
+        raise CvlError(f"{what}: {p}: file not found")
+    return p
+
+
+def open_text(path: Path) -> io.TextIOBase:
+    """Text of a (possibly gzipped) file; bytes that are not UTF-8 become surrogates."""
+    raw = gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")  # noqa: SIM115
+    return io.TextIOWrapper(raw, encoding="utf-8", errors="surrogateescape", newline="")
+
+
+def sniff_format(path: Path, fmt: str | None) -> str:
+    if fmt:
+        return fmt
+    name = path.name.lower().removesuffix(".gz")
+    for f in FORMATS:
+        if name.endswith("." + f):
+            return f
+    if name.endswith(".tab") or name.endswith(".txt"):
+        return "tsv"
+    raise CvlError(
+        f"{path}: cannot tell the format from the name; pass --format ({'|'.join(FORMATS)})"
+    )
+
+
+def iter_lines(path: Path, delimiter: str = "\t") -> Iterator[Record]:
+    """Records of a headerless, unquoted delimited file (CC3M / CC12M TSVs): one per line."""
+    with open_text(path) as f:
+        for no, line in enumerate(f):
+            line = line.rstrip("\r\n")
+            if not line.strip():
+                continue
+            yield no, line.split(delimiter)
+
+
+def iter_csv(path: Path, delimiter: str, header: bool = True) -> Iterator[Record]:
+    """Records of a quoted CSV/TSV as dicts (header) or lists; unreadable ones as None."""
+    with open_text(path) as f:
+        reader = csv.reader(f, delimiter=delimiter)
+        names: list[str] | None = None
+        no = -1
+        while True:
+            try:
+                fields = next(reader)
+            except StopIteration:
+                return
+            except csv.Error:  # NUL byte, runaway quote, ...: the reader moves on to the next line
+                no += 1
+                yield no, None
+                continue
+            if header and names is None:
+                names = [n.strip().lstrip("\ufeff") for n in fields]
+                continue
+            no += 1
+            if not fields or (len(fields) == 1 and not fields[0].strip()):
+                continue
+            if names is None:
+                yield no, fields
+            elif len(fields) != len(names):
+                yield no, None
+            else:
+                yield no, dict(zip(names, fields))
+
+
+def csv_header(path: Path, delimiter: str) -> list[str]:
+    with open_text(path) as f:
+        try:
+            return [n.strip().lstrip("\ufeff") for n in next(csv.reader(f, delimiter=delimiter))]
+        except (StopIteration, csv.Error):
+            raise CvlError(f"{path}: empty or unreadable header line") from None
+
+
+def iter_jsonl(path: Path) -> Iterator[Record]:
+    with open_text(path) as f:
+        for no, line in enumerate(f):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                yield no, None
+                continue
+            yield no, obj if isinstance(obj, dict) else None
+
+
+def load_json(path: Path) -> Any:
+    """A whole JSON file; invalid UTF-8 inside strings is kept as surrogates (rows drop later)."""
+    try:
+        with open_text(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise CvlError(f"{path}: not valid JSON ({e})") from None
+    except OSError as e:
+        raise CvlError(f"{path}: cannot read ({e})") from None
+
+
+def iter_json(path: Path) -> Iterator[Record]:
+    data = load_json(path)
+    if isinstance(data, dict):  # {id: {...}} -> records with the key as "__key__"
+        data = [{"__key__": k, **v} if isinstance(v, dict) else None for k, v in data.items()]
+    if not isinstance(data, list):
+        raise CvlError(f"{path}: expected a JSON list of objects or an object of objects")
+    for no, obj in enumerate(data):
+        yield no, obj if isinstance(obj, dict) else None
+
+
+def iter_parquet(path: Path) -> Iterator[Record]:
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:  # noqa: BLE001 (pyarrow raises several types)
+        raise CvlError(f"{path}: not a readable parquet file ({e})") from None
+    no = 0
+    for batch in pf.iter_batches(batch_size=8192):
+        for rec in batch.to_pylist():
+            yield no, rec
+            no += 1
+
+
+def iter_table(path: Path, fmt: str, header: bool = True) -> Iterator[Record]:
+    if fmt == "csv":
+        return iter_csv(path, ",", header)
+    if fmt == "tsv":
+        return iter_csv(path, "\t", header)
+    if fmt == "jsonl":
+        return iter_jsonl(path)
+    if fmt == "json":
+        return iter_json(path)
+    return iter_parquet(path)
+
+
+def collect(
+    records: Callable[[], Iterator[Record]],
+    parse: Callable[[int, Any, Dropper | None], Row | None],
+    drop: Dropper,
+    report: BuildReport,
+    sample: int | None = None,
+    seed: int = 0,
+    progress: bool = False,
+) -> list[Row]:
+    """Rows of all usable records, or of a seeded random `sample` of them (two passes)."""
+    if sample is None:
+        rows = []
+        for no, rec in _progress(records(), progress):
+            report.read += 1
+            r = parse(no, rec, drop)
+            if r is not None:
+                rows.append(r)
+        return rows
+    usable = array("q")
+    for no, rec in _progress(records(), progress):
+        report.read += 1
+        if parse(no, rec, drop) is not None:
+            usable.append(no)
+    n = len(usable)
+    if n > sample:
+        rng = np.random.default_rng([seed, 31337])
+        chosen = set(
+            np.asarray(usable)[np.sort(rng.choice(n, size=sample, replace=False))].tolist()
+        )
+    else:
+        chosen = set(usable)
+    report.notes["sampled"] = {"usable": n, "asked": sample, "taken": len(chosen)}
+    out = []
+    for no, rec in records():
+        if no in chosen:
+            r = parse(no, rec, None)
+            if r is not None:
+                out.append(r)
+    return out
+
+
+def _progress(it: Iterator[Record], on: bool) -> Iterator[Record]:
+    from tqdm import tqdm
+
+    return iter(tqdm(it, desc="reading", unit="rec", disable=not on, leave=False, mininterval=1.0))
+
+
+FILE_STRIDE = 10**10  # record numbers of several files: file index * stride + record number
+
+
+def chained(
+    sources: list[
+        tuple[Callable[[], Iterator[Record]], Callable[[int, Any, Dropper | None], Row | None]]
+    ],
+) -> tuple[Callable[[], Iterator[Record]], Callable[[int, Any, Dropper | None], Row | None]]:
+    """One (records, parse) pair over several files, so `collect` samples across all of them."""
+
+    def records() -> Iterator[Record]:
+        for fi, (mk, _) in enumerate(sources):
+            for no, rec in mk():
+                yield fi * FILE_STRIDE + no, rec
+
+    def parse(gno: int, rec: Any, d: Dropper | None) -> Row | None:
+        fi, no = divmod(gno, FILE_STRIDE)
+        return sources[fi][1](no, rec, d)
+
+    return records, parse
+
+
+def image_ref(value: Any, root: Path) -> tuple[str | None, str | None]:
+    """(url, path) from a path-or-URL cell; relative paths start at `root`."""
+    s = clean_text(value)
+    if s is None:
+        return None, None
+    if _URL.match(s):
+        return s, None
+    if s.lower().startswith("file://"):
+        s = s[7:]
+    p = Path(s)
+    return None, str(p if p.is_absolute() else root / p)
+
+
+def parse_split(v: Any) -> str | None:
+    s = (clean_text(v) or "").lower()
+    aliases = {"validation": "val", "valid": "val", "dev": "val", "training": "train"}
+    s = aliases.get(s, s)
+    return s if s in SPLITS else None
+
+
+def build_table(
+    inputs: list[str | Path],
+    opts: BuildOptions,
+    *,
+    url_col: str,
+    caption_col: str,
+    task_col: str | None = None,
+    category_col: str | None = None,
+    id_col: str | None = None,
+    split_col: str | None = None,
+    fmt: str | None = None,
+    no_header: bool = False,
+    images_root: str | Path | None = None,
+    chunks: int = 1,
+    sample: int | None = None,
+    val: int = 0,
+    test: int = 0,
+    limit_per_task: int | None = None,
+    task_name: str = "all",
+    source: str = "table",
+) -> Manifest:
+    """`cvl build-stream table`: a stream from any image-text table (see the module docstring)."""
+    paths = [require_file(p, "--input") for p in inputs]
+    if not paths:
+        raise CvlError("--input: give at least one file")
+    report = BuildReport()
+    drop = Dropper(report)
+    cols = {
+        "url": url_col,
+        "caption": caption_col,
+        "task": task_col,
+        "category": category_col,
+        "id": id_col,
+        "split": split_col,
+    }
+    multi = len(paths) > 1
+
+    def make_parse(fi: int, path: Path):  # noqa: ANN202
+        root = Path(images_root) if images_root else path.parent
+
+        def get(rec: Any, col: str | None) -> Any:
+            if col is None:
+                return None
+            if isinstance(rec, dict):
+                return rec.get(col)
+            try:
+                return rec[int(col)]
+            except (ValueError, IndexError):
+                return None
+
+        def parse(no: int, rec: Any, d: Dropper | None) -> Row | None:
+            where = f"{path.name}:{no + 1}"
+            if rec is None:
+                if d:
+                    d("malformed_row", where=where)
+                return None
+            caption = clean_text(get(rec, cols["caption"]))
+            url, p = image_ref(get(rec, cols["url"]), root)
+            rid = get(rec, cols["id"]) if id_col else f"{fi}-{no}" if multi else str(no)
+            row = Row(
+                id=str(rid) if rid is not None else "", caption=caption or "", url=url, path=p
+            )
+            if caption is None:
+                if d:
+                    d("missing_caption", row, where=where)
+                return None
+            if url is None and p is None:
+                if d:
+                    d("missing_image", row, where=where)
+                return None
+            if has_surrogates(caption):
+                if d:
+                    d("non_utf8", row, where=where)
+                return None
+            if task_col:
+                row.task = clean_text(get(rec, task_col))
+            if category_col:
+                row.category = clean_text(get(rec, category_col))
+            if split_col:
+                s = parse_split(get(rec, split_col))
+                if s is None:
+                    if d:
+                        d("unknown_split", row, detail=str(get(rec, split_col)))
+                    return None
+                row.split = s
+            return row
+
+        return parse
+
+    if task_col and (sample is not None or chunks != 1):
+        raise CvlError(
+            "--task-col gives the tasks: use --limit-per-task instead of --sample/--chunks"
+        )
+    if not task_col and limit_per_task is not None:
+        raise CvlError("--limit-per-task needs --task-col (without it, use --sample)")
+    if no_header:
+        for c in (url_col, caption_col, task_col, category_col, id_col, split_col):
+            if c is not None and not str(c).isdigit():
+                raise CvlError(f"--no-header: columns are numbers (0, 1, ...), got '{c}'")
+    presplit = split_col is not None
+    # a seeded sample at read time only where the split rule takes exactly that many rows
+    need = None if (task_col or presplit or sample is None) else sample + chunks * (val + test)
+    sources = []
+    for fi, path in enumerate(paths):
+        f = sniff_format(path, fmt)
+        if f in ("csv", "tsv") and not no_header:
+            header = csv_header(path, "," if f == "csv" else "\t")
+            missing = [c for c in cols.values() if c is not None and c not in header]
+            if missing:
+                raise CvlError(f"{path}: no column(s) {missing} (columns: {', '.join(header)})")
+        sources.append(
+            (lambda path=path, f=f: iter_table(path, f, header=not no_header), make_parse(fi, path))
+        )
+    records, parse = chained(sources)
+    opts.log(f"{source}: reading {', '.join(str(p) for p in paths)}")
+    rows = collect(
+        records, parse, drop, report, sample=need, seed=opts.seed, progress=opts.progress
+    )
+    rule: SplitRule
+    if task_col:
+        rule = ColumnSplit(
+            f"value of column '{task_col}'",
+            limit=limit_per_task,
+            val=val,
+            test=test,
+            seed=opts.seed,
+        )
+    else:
+        names = [task_name] if chunks == 1 else [f"{task_name}{i}" for i in range(chunks)]
+        rule = InstanceSplit(
+            chunks, train=sample, val=val, test=test, seed=opts.seed, names=names, presplit=presplit
+        )
+    args = {
+        "input": [str(p) for p in paths],
+        **{f"{k}_col": v for k, v in cols.items() if v is not None},
+        "chunks": chunks,
+        "sample": sample,
+        "val": val,
+        "test": test,
+        "limit_per_task": limit_per_task,
+    }
+    return build_stream(rows, rule, opts, source=source, report=report, drop=drop, source_args=args)

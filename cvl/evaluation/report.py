@@ -1,0 +1,455 @@
+"""Reports from metrics.json: paper-style Markdown tables, CSV files, heatmaps and curves.
+
+Tables (all values in percent):
+
+1. Final model on the merged test set of all tasks (CTP Table 1): TR@1/5/10, IR@1/5/10, Rm,
+   mAP@1/5/10.
+2. So far vs final (CTP Fig. 4 / Table 1): per step i, the model after task i on the merged
+   test set of tasks 0..i, and the final model on the same set.
+3. Per task, final model (DHA Table 1): R@mean and Forgetting Rate per direction.
+4. Continual summary per metric: average final, BWT (IncCLIP), BWT (standard), forgetting,
+   average FR (DHA), FWT (when the initial weights were evaluated).
+5. R matrices (rows: model after task i, or the initial weights; columns: task j's test set).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from cvl.io import atomic_write_bytes, write_json
+
+TABLE1 = ["TR@1", "TR@5", "TR@10", "IR@1", "IR@5", "IR@10", "Rm", "mAP@1", "mAP@5", "mAP@10"]
+SUMMARY_METRICS = [
+    "Rm",
+    "TR@1",
+    "IR@1",
+    "TR@mean",
+    "IR@mean",
+    "mAP@1",
+    "mAP@5",
+    "mAP@10",
+    "ZS-top1",
+    "ZS-top5",
+    "LP-top1",
+]
+MATRIX_METRICS = ["Rm", "TR@1", "IR@1", "mAP@1", "ZS-top1", "LP-top1"]
+CURVE_METRICS = ["Rm", "TR@mean", "IR@mean", "mAP@1", "ZS-top1", "LP-top1"]
+CONTINUAL_COLS = [
+    ("average_final", "avg final"),
+    ("bwt_incclip", "BWT (IncCLIP)"),
+    ("bwt_standard", "BWT"),
+    ("forgetting", "forgetting"),
+    ("forgetting_rate", "FR (DHA)"),
+    ("fwt", "FWT"),
+]
+
+
+def fmt(v: Any, signed: bool = False) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "–"
+    if abs(v) < 0.005:
+        v = 0.0  # no "-0.00"
+    return f"{v:+.2f}" if signed else f"{v:.2f}"
+
+
+def md_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A Markdown table (values already formatted as strings)."""
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def safe_name(metric: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_-]+", "", metric.replace("/", "-"))
+
+
+# -- tables ------------------------------------------------------------------------------------
+def table_final(
+    m: dict[str, Any], label: str | None = None
+) -> tuple[list[str], list[list[str]]] | None:
+    fin = m.get("final") or {}
+    if not any(fin.get(k) is not None for k in TABLE1):
+        return None
+    return ["Method", *TABLE1], [[label or m["method_label"], *(fmt(fin.get(k)) for k in TABLE1)]]
+
+
+def table_so_far(m: dict[str, Any]) -> tuple[list[str], list[list[str]]] | None:
+    sf = m.get("so_far_vs_final") or {}
+    keys = [k for k in ("Rm", "mAP@1") if k in sf]
+    if not keys:
+        return None
+    tasks = m["tasks"]
+    headers = ["after task", "merged test set"]
+    for k in keys:
+        headers += [f"{k} so far", f"{k} final", "Δ"]
+    rows = []
+    for i in range(len(sf[keys[0]])):
+        r = [f"{i} ({tasks[i]})", f"tasks 0..{i}"]
+        for k in keys:
+            e = sf[k][i]
+            r += [fmt(e["so_far"]), fmt(e["final"]), fmt(e["delta"], signed=True)]
+        rows.append(r)
+    return headers, rows
+
+
+def table_dha(m: dict[str, Any]) -> tuple[list[str], list[list[str]]] | None:
+    cont = m.get("continual") or {}
+    if "TR@mean" not in cont or "IR@mean" not in cont:
+        return None
+    n = len(cont["TR@mean"]["final_row"])
+    tasks = m["tasks"][:n]
+    headers = ["direction"]
+    for t in tasks:
+        headers += [f"{t} R@mean", f"{t} FR"]
+    headers += ["avg R@mean", "avg FR"]
+    rows = []
+    for key, name in (("IR@mean", "T2I"), ("TR@mean", "I2T")):
+        c = cont[key]
+        r = [name]
+        for j in range(n):
+            fr = c["forgetting_rate_per_task"][j] if j < n - 1 else None
+            r += [fmt(c["final_row"][j]), fmt(fr)]
+        r += [fmt(c["average_final"]), fmt(c["forgetting_rate"])]
+        rows.append(r)
+    return headers, rows
+
+
+def table_continual(m: dict[str, Any]) -> tuple[list[str], list[list[str]]] | None:
+    cont = m.get("continual") or {}
+    keys = [k for k in SUMMARY_METRICS if k in cont]
+    if not keys:
+        return None
+    rows = [
+        [k, *(fmt(cont[k][c], signed=c.startswith(("bwt", "fwt"))) for c, _ in CONTINUAL_COLS)]
+        for k in keys
+    ]
+    return ["metric", *(h for _, h in CONTINUAL_COLS)], rows
+
+
+def table_matrix(m: dict[str, Any], key: str) -> tuple[list[str], list[list[str]]] | None:
+    mat = (m.get("matrices") or {}).get(key)
+    if not mat:
+        return None
+    rows = []
+    zs = m.get("zero_shot_row")
+    if zs and key in zs:
+        rows.append(["init (zero-shot)", *(fmt(v) for v in zs[key])])
+    for label, row in zip(m["rows"], mat):
+        rows.append([f"after {label}", *(fmt(v) for v in row)])
+    return ["model \\ test", *m["tasks"]], rows
+
+
+def table_map_variants(m: dict[str, Any]) -> tuple[list[str], list[list[str]]] | None:
+    fin = m.get("final") or {}
+    if fin.get("mAP@1") is None:
+        return None
+    rows = []
+    for v, name in (
+        ("", "eq. 11 (paper)"),
+        ("/code", "CTP code"),
+        ("/pos", "÷ min(N, #positives)"),
+    ):
+        rows.append([name, *(fmt(fin.get(f"mAP@{n}{v}")) for n in (1, 5, 10))])
+    return ["AP normalisation", "mAP@1", "mAP@5", "mAP@10"], rows
+
+
+def table_folders(m: dict[str, Any]) -> tuple[list[str], list[list[str]]] | None:
+    f = m.get("folders") or {}
+    if not f:
+        return None
+    rows = []
+    for label, per in f.items():
+        for folder, r in per.items():
+            rows.append([label, folder, fmt(r.get("top1")), fmt(r.get("top5")), str(r.get("n"))])
+    return ["checkpoint", "image folder", "top-1", "top-5", "images"], rows
+
+
+def sections(
+    m: dict[str, Any], full: bool = True
+) -> list[tuple[str, tuple[list[str], list[list[str]]] | None]]:
+    n = len(m["rows"])
+    out = [
+        (
+            f"Final model (after {n} task(s)) on the merged test set of the tasks it has seen (CTP Table 1)",
+            table_final(m),
+        ),
+        (
+            "So far vs final (CTP Fig. 4): model after task i, and the final model, on tasks 0..i",
+            table_so_far(m),
+        ),
+        ("Per task, final model: R@mean and Forgetting Rate (DHA Table 1)", table_dha(m)),
+        ("Continual summary (from the per-task R matrices)", table_continual(m)),
+        ("Zero-shot classification on image folders", table_folders(m)),
+    ]
+    if full:
+        out.append(
+            ("mAP@N of the final model under the three AP normalisations", table_map_variants(m))
+        )
+        for k in MATRIX_METRICS:
+            out.append(
+                (f"R matrix: {k} (rows: model; columns: test set of task j)", table_matrix(m, k))
+            )
+    return [(t, tb) for t, tb in out if tb is not None]
+
+
+def render_markdown(m: dict[str, Any], full: bool = True) -> str:
+    lines = []
+    if full:
+        p = m["protocol"]
+        lines += [
+            f"# Evaluation of run `{m['run_name']}`",
+            "",
+            f"method **{m['method_label']}**, stream `{m['stream']['name']}` ({m['stream']['source']}), "
+            f"{len(m['rows'])} task checkpoint(s){' + initial weights' if m.get('has_init') else ''}; "
+            f"test set `{p['test_set']}`. Values in percent.",
+            "",
+            f"- retrieval: {p['retrieval_rule']}; ties {p['ties']}",
+            "- Rm = mean of TR@1/5/10 and IR@1/5/10 (CTP); R@mean = mean of R@1/5/10 per direction (DHA)",
+            f"- mAP feature: {p['map_feature']}",
+            f"- {p['ap_normalisation']}",
+            f"- zero-shot templates: `{p['zs_templates']}`; linear probe: {p['probe']}",
+            "- BWT (IncCLIP) = 1/(T-1) Σ_{i≥2} (1/i) Σ_{j≤i} (R[i][j] − R[j][j]); BWT = 1/(T-1) Σ_{j<T} "
+            "(R[T][j] − R[j][j]); forgetting = mean_j max_{j≤l<T} R[l][j] − R[T][j]; "
+            "FR_t = (R[t][t] − R[T][t]) / R[t][t]; FWT = 1/(T-1) Σ_{i≥2} (R[i-1][i] − zero-shot[i])",
+            "",
+        ]
+    for title, (headers, rows) in sections(m, full):
+        lines += [f"## {title}" if full else f"{title}", "", md_table(headers, rows), ""]
+    return "\n".join(lines)
+
+
+# -- CSV -----------------------------------------------------------------------------------
+def _csv_bytes(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> bytes:
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(headers)
+    w.writerows([["" if v is None else v for v in r] for r in rows])
+    return buf.getvalue().encode("utf-8")
+
+
+def write_csvs(m: dict[str, Any], out: Path) -> list[Path]:
+    files = []
+    rows = []
+    for k, mat in m["matrices"].items():
+        if m.get("zero_shot_row"):
+            rows += [[k, "init", t, v] for t, v in zip(m["tasks"], m["zero_shot_row"][k])]
+        for label, row in zip(m["rows"], mat):
+            rows += [[k, label, t, v] for t, v in zip(m["tasks"], row)]
+    files.append(
+        _write(out / "r_matrix.csv", _csv_bytes(["metric", "model", "test_task", "value"], rows))
+    )
+    rows = []
+    for k, C in (m.get("cumulative") or {}).items():
+        for label, row in zip(m["rows"], C):
+            rows += [[k, label, f"0..{j}", v] for j, v in enumerate(row) if v is not None]
+    files.append(
+        _write(
+            out / "cumulative.csv", _csv_bytes(["metric", "model", "merged_tasks", "value"], rows)
+        )
+    )
+    cont = m.get("continual") or {}
+    rows = [[k, *(cont[k][c] for c, _ in CONTINUAL_COLS)] for k in cont]
+    files.append(
+        _write(out / "continual.csv", _csv_bytes(["metric", *(c for c, _ in CONTINUAL_COLS)], rows))
+    )
+    for name, tb in (
+        ("table_final.csv", table_final(m)),
+        ("so_far_vs_final.csv", table_so_far(m)),
+        ("per_task_final.csv", table_dha(m)),
+    ):
+        if tb is not None:
+            files.append(_write(out / name, _csv_bytes(*tb)))
+    return files
+
+
+def _write(path: Path, data: bytes) -> Path:
+    atomic_write_bytes(path, data)
+    return path
+
+
+# -- plots ---------------------------------------------------------------------------------
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_heatmap(m: dict[str, Any], key: str, path: Path) -> Path | None:
+    import numpy as np
+
+    mat = m["matrices"][key]
+    labels = list(m["rows"])
+    if m.get("zero_shot_row"):
+        mat = [m["zero_shot_row"][key], *mat]
+        labels = ["init", *labels]
+    a = np.array([[np.nan if v is None else v for v in r] for r in mat], dtype=float)
+    if np.isnan(a).all():
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(2.8 + 0.75 * a.shape[1], 1.8 + 0.5 * a.shape[0]))
+    im = ax.imshow(a, cmap="viridis", vmin=0, vmax=max(1.0, float(np.nanmax(a))))
+    ax.set_xticks(range(a.shape[1]), m["tasks"], rotation=45, ha="right")
+    ax.set_yticks(range(a.shape[0]), labels)
+    ax.set_xlabel("test set of task")
+    ax.set_ylabel("model after")
+    ax.set_title(f"{m['run_name']}: {key}")
+    for i in range(a.shape[0]):
+        for j in range(a.shape[1]):
+            if not np.isnan(a[i, j]):
+                ax.text(
+                    j,
+                    i,
+                    f"{a[i, j]:.1f}",
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="w" if a[i, j] < 0.6 * np.nanmax(a) else "k",
+                )
+    fig.colorbar(im, ax=ax, fraction=0.046)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_curves(m: dict[str, Any], key: str, path: Path) -> Path | None:
+    """Per-task curves across training steps (CTP Fig. 4 / DHA Fig. 4): R[i][j] against i."""
+    mat = m["matrices"].get(key)
+    if not mat or not any(v is not None for r in mat for v in r):
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    zs = (m.get("zero_shot_row") or {}).get(key)
+    rows = ([zs] if zs else []) + list(mat)
+    x0 = -1 if zs else 0
+    steps = list(range(x0, len(mat)))
+    for j, t in enumerate(m["tasks"]):
+        ys = [r[j] for r in rows]
+        if any(y is not None for y in ys):
+            ax.plot(
+                steps,
+                [float("nan") if y is None else y for y in ys],
+                marker="o",
+                ms=3,
+                label=f"task {t}",
+            )
+    sf = (m.get("so_far_vs_final") or {}).get(key)
+    if sf:
+        ax.plot(
+            list(range(len(sf))),
+            [float("nan") if e["so_far"] is None else e["so_far"] for e in sf],
+            "k--",
+            lw=2,
+            label="merged tasks 0..i",
+        )
+    names = ["init"] * (1 if zs else 0) + [
+        f"{i} ({m['tasks'][i]})" if i < len(m["tasks"]) else str(i) for i in range(len(mat))
+    ]
+    ax.set_xticks(steps, names)
+    ax.set_xlabel("model after task")
+    ax.set_ylabel(key)
+    ax.set_title(f"{m['run_name']}: {key} per task across training")
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def write_plots(m: dict[str, Any], out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    files = []
+    for k in m["matrices"]:
+        if "/" in k:  # the alternative AP normalisations: in metrics.json and the CSV only
+            continue
+        p = plot_heatmap(m, k, out / f"heatmap_{safe_name(k)}.png")
+        if p:
+            files.append(p)
+    for k in CURVE_METRICS:
+        if k in m["matrices"]:
+            p = plot_curves(m, k, out / f"curves_{safe_name(k)}.png")
+            if p:
+                files.append(p)
+    return files
+
+
+def write_outputs(m: dict[str, Any], out: str | os.PathLike, plots: bool = True) -> list[Path]:
+    """metrics.json, summary.md, CSV tables and PNG plots into `out`."""
+    out = Path(out)
+    write_json(out / "metrics.json", m)
+    files = [out / "metrics.json", _write(out / "summary.md", render_markdown(m).encode("utf-8"))]
+    files += write_csvs(m, out)
+    if plots:
+        files += write_plots(m, out / "plots")
+    return files
+
+
+# -- several runs side by side -------------------------------------------------------------------
+def compare_table(ms: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """One row per run: final merged-set metrics (CTP Table 1) + continual summary of Rm."""
+    headers = [
+        "run",
+        "method",
+        *TABLE1,
+        "avg Rm",
+        "BWT(Rm)",
+        "BWT-IncCLIP(Rm)",
+        "forget(Rm)",
+        "FR I2T",
+        "FR T2I",
+        "ZS-top1",
+        "LP-top1",
+    ]
+    rows = []
+    for m in ms:
+        fin, cont = m.get("final") or {}, m.get("continual") or {}
+
+        def c(k: str, f: str, cont: dict[str, Any] = cont) -> Any:
+            return (cont.get(k) or {}).get(f)
+
+        rows.append(
+            [
+                m["run_name"],
+                m["method_label"],
+                *(fmt(fin.get(k)) for k in TABLE1),
+                fmt(c("Rm", "average_final")),
+                fmt(c("Rm", "bwt_standard"), True),
+                fmt(c("Rm", "bwt_incclip"), True),
+                fmt(c("Rm", "forgetting")),
+                fmt(c("TR@mean", "forgetting_rate")),
+                fmt(c("IR@mean", "forgetting_rate")),
+                fmt(c("ZS-top1", "average_final")),
+                fmt(c("LP-top1", "average_final")),
+            ]
+        )
+    return headers, rows
+
+
+def render_compare(ms: Sequence[dict[str, Any]]) -> str:
+    headers, rows = compare_table(ms)
+    return (
+        "Runs side by side: CTP Table-1 metrics of the final model on the merged test set of all "
+        "tasks; avg/BWT/forgetting of Rm and DHA FR from the per-task R matrices (percent)\n\n"
+        + md_table(headers, rows)
+        + "\n"
+    )
+
+
+def write_compare(ms: Sequence[dict[str, Any]], out: str | os.PathLike) -> list[Path]:
+    out = Path(out)
+    headers, rows = compare_table(ms)
+    return [
+        _write(out / "compare.md", render_compare(ms).encode("utf-8")),
+        _write(out / "compare.csv", _csv_bytes(headers, rows)),
+    ]

@@ -47,3 +47,68 @@ def kl_rows(
 def soft_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
     """Mean over rows of −Σ p·log softmax(logits) (distillation with soft targets)."""
     return -(target_probs * F.log_softmax(logits, dim=-1)).sum(-1).mean()
+
+
+# -- old-vs-new contrastive matrices (Mod-X, DKR) ---------------------------------------------
+
+
+def old_new_global_logits(
+    image: torch.Tensor,
+    text: torch.Tensor,
+    old_image: torch.Tensor,
+    old_text: torch.Tensor,
+    scale: torch.Tensor | float = 1.0,
+    old_scale: torch.Tensor | float = 1.0,
+) -> dict[str, torch.Tensor]:
+    """The current and the old (frozen) model's i2t / t2i matrices on the same global batch.
+
+    Rows are this rank's samples, columns the whole gathered batch (see `global_logits`):
+    `i2t[i, j] = scale·v_i·w_j`, `t2i[i, j] = scale·w_i·v_j`; `old_*` the same with the old
+    model's features v', w' and `old_scale`, computed without gradient (old features are
+    gathered too). Keys: i2t, t2i, old_i2t, old_t2i, targets (global index of each row's pair).
+    """
+    i2t, t2i, y = global_logits(image, text, scale)
+    with torch.no_grad():
+        oi2t, ot2i, _ = global_logits(old_image.detach(), old_text.detach(), old_scale)
+    return {"i2t": i2t, "t2i": t2i, "old_i2t": oi2t, "old_t2i": ot2i, "targets": y}
+
+
+def row_correct(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Bool per row: the row's largest entry is its own pair (argmax_j M[i, j] == target_i).
+
+    Invariant to a positive scale and to a row-wise softmax, so it can be asked of cosines,
+    logits or affinities alike ("the model retrieves sample i correctly").
+    """
+    return logits.detach().argmax(dim=-1) == targets
+
+
+def sum_over_global_rows(per_row: torch.Tensor) -> torch.Tensor:
+    """Σ over the rows of the whole global batch, given this rank's per-row values.
+
+    Each rank returns world_size × its local sum: gradients are averaged over ranks, and the
+    logged value is the rank mean, so both equal the single-process sum over all rows (ranks
+    hold equal row counts). Use `.mean()` for a per-row mean (no factor needed).
+    """
+    from cvl.dist import world_size
+
+    return per_row.sum() * world_size()
+
+
+_LOG2 = 0.6931471805599453
+
+
+def js_rows(target: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Per-row Jensen-Shannon term KL(a‖m) + KL(b‖m), m = (a+b)/2 (no ½ factors; DKR Eq. 5).
+
+    a = `target` (non-negative rows, no gradient; they need not sum to 1, the sums
+    Σ a·log(a/m) are taken as written), b = softmax(`logits`). Computed in log space
+    (log m = logaddexp(log a, log b) − log 2) so rows with vanishing probabilities keep finite
+    gradients.
+    """
+    a = target.detach()
+    log_b = F.log_softmax(logits, dim=-1)
+    b = log_b.exp()
+    log_m = torch.logaddexp(a.log(), log_b) - _LOG2  # a.log() is −inf where a = 0: fine
+    kl_a = (torch.xlogy(a, a) - a * log_m).sum(-1)
+    kl_b = (b * (log_b - log_m)).sum(-1)
+    return kl_a + kl_b

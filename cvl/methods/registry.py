@@ -13,6 +13,11 @@ METHOD_MODULES = [
     "cvl.methods.seqft",
     "cvl.methods.joint",
     "cvl.methods.zeroshot",
+    "cvl.methods.ctp",
+    "cvl.methods.modx",
+    "cvl.methods.dkr",
+    "cvl.methods.dha",
+    "cvl.methods.incclip",
 ]
 
 

@@ -1,0 +1,119 @@
+"""Per-step time of each method relative to SeqF, measured in one process (JSON on stdout).
+
+Every method trains the same 2-task synthetic stream with the same tiny model; we time the
+second task (where reference / old models exist) from the training logs: median seconds per
+optimizer step over the task's steps after a short warm-up, divided by SeqF's.
+
+    python benchmarks/bench_methods.py [--methods ctp,modx,...] [--steps 30] [--batch-size 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def step_times(
+    stream: Path, out: Path, method: str, model: str, steps: int, batch: int, extra: dict
+) -> float:
+    from cvl.runs import finished_tasks
+    from cvl.train.config import resolve
+    from cvl.train.loop import Trainer
+
+    cfg = resolve(
+        None,
+        {
+            "stream": str(stream),
+            "out": str(out),
+            "method": method,
+            "model": model,
+            "model_config": "tiny-vit" if model == "clip" else "tiny",
+            "epochs": 100,
+            "batch_size": batch,
+            "max_steps_per_task": steps,
+            "log_with": "none",
+            "checkpoint_every": 0,
+            **extra,
+        },
+    )
+    Trainer(cfg, progress=False).run()
+    log = [
+        json.loads(x)
+        for x in (finished_tasks(out)[-1].path / "train_log.jsonl").read_text().splitlines()
+    ]
+    per_step = [batch / r["samples_per_s"] for r in log[3:]]
+    return statistics.median(per_step)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--methods", default="ctp,modx,dkr,dha,incclip")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from cvl.methods.registry import all_methods
+    from cvl.streams.synthetic import SynthSpec, build_synthetic
+
+    extras = {"incclip": {"buffer": "reservoir", "buffer_size": 256, "method_args": {}}}
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        stream = tmp / "stream"
+        build_synthetic(
+            stream, SynthSpec(tasks=2, per_task=args.batch_size * 8, seed=0), progress=False
+        )
+        base: dict[str, float] = {}
+        for name in args.methods.split(","):
+            if name not in all_methods():
+                results[name] = {"error": "not registered"}
+                continue
+            for model in ("clip", "fusion") if name == "ctp" else ("clip",):
+                if model not in base:
+                    base[model] = step_times(
+                        stream,
+                        tmp / f"seqft-{model}",
+                        "seqft",
+                        model,
+                        args.steps,
+                        args.batch_size,
+                        {},
+                    )
+                t = step_times(
+                    stream,
+                    tmp / f"{name}-{model}",
+                    name,
+                    model,
+                    args.steps,
+                    args.batch_size,
+                    extras.get(name, {}),
+                )
+                results[f"{name}/{model}"] = {
+                    "step_s": round(t, 4),
+                    "seqft_step_s": round(base[model], 4),
+                    "ratio": round(t / base[model], 3),
+                }
+    print(
+        json.dumps(
+            {
+                "benchmark": "method step time / seqft step time (task 2, median)",
+                "batch_size": args.batch_size,
+                "threads": args.threads,
+                "steps": args.steps,
+                "time": time.strftime("%Y-%m-%d %H:%M"),
+                "results": results,
+            },
+            indent=2,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

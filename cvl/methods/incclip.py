@@ -1,0 +1,470 @@
+"""IncCLIP: generative negative text replay + cross-modal distillation (Yan et al., ECCV'22, §3).
+
+Needs a replay memory (`--buffer reservoir --buffer-size N`, reservoir sampling after each
+task as in the paper; any strategy works). On task t > 0, with H_{t-1} the previous task's
+model (frozen) and B the global batch:
+
+1. **Pseudo negative texts** (§3.2, Eq. 1), once per optimizer step, before the forward:
+   sample a mini-batch of `gen_images` memory pairs (default: B, as in the paper); draw
+   i, j ∈ [0, B) and β ~ U[0, 1] for each of the B̂ = `n_pseudo` pseudo texts and initialise
+   its token-embedding sequence ē_k = β·e_i + (1−β)·e_j (H_{t-1}'s token embeddings of the
+   memory texts); then `gen_steps` plain SGD steps (lr `gen_lr`) on ē minimise
+
+       L_G(k) = 1/B Σ_i max(0, s_min − s_ik) + max(0, s_ik − s_max),
+       s_ik = cos(ũ'_i, g_{t-1}(ē_k)),
+
+   where ũ'_i are H_{t-1}'s image features of **the sampled memory images** (all B of them:
+   Eq. 1 averages over i for every k) and g_{t-1} is H_{t-1}'s text tower run from token
+   embeddings (`encode_text_embeds`). Each ē_k has its own loss, so the SGD step is on
+   Σ_k L_G(k) (the step size of one pseudo text does not depend on B̂).
+2. **Contrastive** (Eq. 2-6): I2T over the B real texts + B̂ pseudo texts (pseudo texts are
+   negatives only), T2I over the B real texts; L_c = α·L_c^I2T + (1−α)·L_c^T2I, with CLIP's
+   learned temperature τ.
+3. **Distillation** (Eq. 7-9): per-row KL between the current model's I2T (over B + B̂ texts)
+   and T2I (over B images) distributions at τ and the old model's at τ_old;
+   L_d = η·L_d^I2T + (1−η)·L_d^T2I. Total L_c + λ·L_d.
+4. **Weight-norm clipping** (end of §3.3), after every optimizer step: any weight whose norm
+   exceeds γ·‖W‖_init is rescaled to γ·‖W‖_init (direction kept).
+
+Choices, where the paper is silent, ambiguous, or METHODS.md reads differently:
+
+- KL direction: Eq. 7/8 write KL(P_new ‖ P_old) (current model first); METHODS.md says
+  "KL of the new model's distributions against the old model's", which is usually read as
+  KL(P_old ‖ P_new). The paper's formula is the default (`kd_direction=new_old`);
+  `kd_direction=old_new` gives the usual teacher-first KL. Rows are averaged (1/B Σ).
+- ‖W‖_init: the paper's "initial weight norm" is taken as the norms of the run's *initial*
+  weights (what `runs/RUN/init/` holds: random init or the pretrained file), fixed for the
+  whole stream — not the norms at each task's start, which would let the norms compound task
+  after task, the growth the trick is meant to stop. Measured once in `setup()` and kept in
+  the method state. "Layer weight" = every parameter with ≥ 2 dimensions (linear, conv,
+  attention, embedding and projection matrices); biases, norm gains and the logit scale are
+  not clipped; weights initialised to zero are skipped. Clipping runs on every task,
+  including the first (which otherwise trains with L_c only: no memory, no old model).
+- Unspecified values (chosen here, exposed): s_min = 0.2, s_max = 0.4 (hard negatives: below
+  the cosine of a matched pair, above unrelated pairs; a tiny CLIP after one synthetic task
+  has matched ≈ 0.72, unmatched 0.05 ± 0.31), γ = 1.5, 5 SGD steps with lr 0.1. The step
+  size acts on token embeddings (norm ≈ 0.16 per token in the tiny model, ≈ 0.02·√width at
+  open_clip's init): on that model lr 0.1 moves them by ~15 % and halves L_G in 5 steps, lr ≥ 10
+  overshoots. Check the logged `m/incclip_gen_loss` (after) against `m/incclip_gen_loss0`
+  (before) when changing models. Since Eq. 1 asks one pseudo text to sit in [s_min, s_max]
+  against *every* sampled image, L_G cannot reach 0 when those cosines are spread out.
+- τ_old = 0.01 (paper) is 1/100, where CLIP's learned temperature ends up (its clamp) in long
+  from-scratch training. When the old model's own temperature is far from it (short runs:
+  ≈ 1/14 on the tiny synthetic stream) the teacher is much sharper than the student, L_d is
+  large (λ·L_d ≈ 65 at the start of the second task there, vs L_c ≈ 2) and, with λ = 5, the
+  new task is learned slowly. `tau_old=0` uses the old model's own learned temperature.
+- Pooling position of a pseudo text: open_clip pools the text tower at the end token of the
+  *token ids*; a mixture has no ids, so ē_k pools (and masks, for towers with a padding mask)
+  like its dominant text (e_i if β ≥ ½ else e_j) — at β = 0 or 1 it is exactly that real
+  text, as the paper notes.
+- Memory features: H_{t-1} is fixed during a task and so is the memory, so H_{t-1}'s image
+  features and the token ids of all memory items are computed once in `before_task` (eval
+  transform, no augmentation; stored on the CPU: |M|·D floats) and the per-step mini-batch is
+  drawn from them; the memory is also mixed into the task's data by the loop ("we sample a
+  mini-batch … from incoming data D_t and memory M_t").
+- Distributed: all random draws come from `ctx.generator` (the same on every rank). If the
+  number of processes divides B̂, each rank optimises its contiguous share of the B̂ pseudo
+  texts (the per-text objective makes this identical to one process) and the pseudo features
+  are gathered (current model: with gradient; old model: without); otherwise every rank
+  generates all B̂ (identical, slower). Real-text matrices are built over the global batch.
+- Only the `clip` model (an open_clip text transformer) is supported: the pseudo texts live
+  in its token-embedding space.
+
+Logged terms: `contrastive` (L_c), `kd` (λ·L_d); metrics `incclip_gen_loss0` /
+`incclip_gen_loss` (mean L_G before / after the SGD steps) and `incclip_pseudo_cos` (mean
+s_ik after generation).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cvl.dist import gather_no_grad, gather_with_grad, rank, world_size
+from cvl.errors import CvlError
+from cvl.losses import global_logits
+from cvl.methods.base import Method, TaskContext
+from cvl.methods.registry import register
+
+# -- open_clip text tower from token embeddings ------------------------------------------------
+
+
+def _text_tower(clip: nn.Module) -> tuple[str, nn.Module]:
+    """("clip", clip) for open_clip's CLIP, ("custom", clip.text) for a TextTransformer."""
+    from open_clip.transformer import TextTransformer
+
+    if hasattr(clip, "token_embedding") and hasattr(clip, "transformer"):
+        return "clip", clip
+    text = getattr(clip, "text", None)
+    if isinstance(text, TextTransformer):
+        return "custom", text
+    raise CvlError(
+        "incclip needs an open_clip text transformer (token embeddings); "
+        "this model's text tower is not one (HF text towers and the fusion model are not supported)"
+    )
+
+
+def token_embedding(model: Any) -> nn.Embedding:
+    """The token-embedding table of a `clip` VLModel's text tower."""
+    clip = getattr(model, "clip", model)
+    _, tower = _text_tower(clip)
+    return tower.token_embedding
+
+
+def encode_text_embeds(
+    model: Any, embeds: torch.Tensor, tokens: torch.Tensor, normalize: bool = True
+) -> torch.Tensor:
+    """open_clip's `encode_text` from token embeddings [N, L, W] instead of token ids.
+
+    `tokens` [N, L] only decide where the tower pools (argmax / eos position) and, for towers
+    with a padding mask, which positions are masked; `encode_text_embeds(m,
+    token_embedding(m)(t), t)` equals `m.encode_text(t)`.
+    """
+    from open_clip.transformer import _expand_token, text_global_pool
+
+    clip = getattr(model, "clip", model)
+    kind, t = _text_tower(clip)
+    cast = t.transformer.get_cast_dtype()
+    x = embeds.to(cast)
+    if kind == "clip":
+        x = x + clip.positional_embedding.to(cast)
+        x = clip.transformer(x, attn_mask=clip.attn_mask)
+        x = clip.ln_final(x)
+        x = text_global_pool(x, tokens, clip.text_pool_type, getattr(clip, "text_eos_id", None))
+        proj = clip.text_projection
+    else:
+        seq_len = x.shape[1]
+        if t.cls_emb is not None:
+            x = torch.cat([x, _expand_token(t.cls_emb, x.size(0))], 1)
+            seq_len += 1
+        attn_mask = t.attn_mask
+        if t.use_pad_mask or t.cls_emb is not None:
+            add = t._build_additive_mask(tokens, seq_len, x.dtype)
+            attn_mask = add if attn_mask is None else attn_mask[:seq_len, :seq_len][None] + add
+        x = x + t.positional_embedding[:seq_len].to(cast)
+        x = t.transformer(x, attn_mask=attn_mask)
+        if t.cls_emb is not None:
+            x = t.ln_final(text_global_pool(x, pool_type="last"))
+        else:
+            x = text_global_pool(t.ln_final(x), tokens, t.pool_type, getattr(t, "eos_id", None))
+        proj = t.text_projection
+    if proj is not None:
+        x = proj(x) if isinstance(proj, nn.Linear) else x @ proj
+    return F.normalize(x, dim=-1) if normalize else x
+
+
+# -- the loss terms ------------------------------------------------------------------------------
+
+
+def margin_loss(s: torch.Tensor, s_min: float, s_max: float) -> torch.Tensor:
+    """Eq. 1 per pseudo text: s [K, B] cosines (pseudo text k vs image i) -> [K] (mean over i)."""
+    return (F.relu(s_min - s) + F.relu(s - s_max)).mean(dim=-1)
+
+
+@torch.no_grad()
+def _init_pseudo(
+    emb: nn.Embedding, tokens: torch.Tensor, i: torch.Tensor, j: torch.Tensor, beta: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ē_k = β·e_i + (1−β)·e_j and the token ids that decide its pooling (dominant text)."""
+    b = beta.to(tokens.device, emb.weight.dtype)[:, None, None]
+    e = b * emb(tokens[i]) + (1 - b) * emb(tokens[j])
+    struct = torch.where(beta.to(tokens.device)[:, None] >= 0.5, tokens[i], tokens[j])
+    return e.float(), struct
+
+
+def generate_pseudo(
+    old: Any,
+    tokens: torch.Tensor,
+    image_features: torch.Tensor,
+    i: torch.Tensor,
+    j: torch.Tensor,
+    beta: torch.Tensor,
+    steps: int,
+    lr: float,
+    s_min: float,
+    s_max: float,
+) -> dict[str, torch.Tensor]:
+    """Pseudo negative texts by SGD in the old model's token-embedding space (§3.2).
+
+    `tokens` [B, L] / `image_features` [B, D] (normalised): the sampled memory pairs;
+    `i`, `j`, `beta` [K]: the mixtures. Returns embeds [K, L, W] (detached), tokens [K, L]
+    (pooling), old_features [K, D] (the old model's features of the final embeddings) and the
+    mean L_G before / after (`loss0`, `loss`) and the final mean cosine (`cos`).
+    """
+    e, struct = _init_pseudo(token_embedding(old), tokens, i, j, beta)
+    u = image_features.detach().float()
+    loss0 = None
+    with torch.enable_grad():
+        for step in range(steps + 1):
+            last = step == steps
+            e.requires_grad_(not last)
+            with torch.set_grad_enabled(not last):
+                v = encode_text_embeds(old, e, struct).float()
+                s = v @ u.t()
+                lg = margin_loss(s, s_min, s_max)
+            if loss0 is None:
+                loss0 = lg.detach().mean()
+            if last:
+                break
+            (g,) = torch.autograd.grad(lg.sum(), e)
+            e = (e - lr * g).detach()
+    return {
+        "embeds": e.detach(),
+        "tokens": struct,
+        "old_features": v.detach(),
+        "loss0": loss0,
+        "loss": lg.detach().mean(),
+        "cos": s.detach().mean(),
+    }
+
+
+def pseudo_contrastive(
+    image: torch.Tensor,
+    text: torch.Tensor,
+    pseudo: torch.Tensor | None,
+    scale: torch.Tensor | float,
+    alpha: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """L_c = α·CE(I2T over real + pseudo texts) + (1−α)·CE(T2I over real images) (Eq. 4-6).
+
+    `image`/`text`: this rank's rows (normalised); real columns are the global batch;
+    `pseudo` [K, D]: all pseudo-text features (already global), negatives of every image only.
+    Returns (L_c, {"i2t": [b, B+K] logits, "t2i": [b, B], "targets"}).
+    """
+    i2t, t2i, y = global_logits(image, text, scale)
+    if pseudo is not None and pseudo.shape[0] > 0:
+        i2t = torch.cat([i2t, scale * image @ pseudo.t()], dim=1)
+    loss = alpha * F.cross_entropy(i2t, y) + (1 - alpha) * F.cross_entropy(t2i, y)
+    return loss, {"i2t": i2t, "t2i": t2i, "targets": y}
+
+
+def kd_rows(
+    new_logits: torch.Tensor, old_logits: torch.Tensor, direction: str = "new_old"
+) -> torch.Tensor:
+    """Mean over rows of KL(P_new ‖ P_old) (Eq. 7, `new_old`) or KL(P_old ‖ P_new) (`old_new`).
+
+    P = row-softmax of the given logits (new: s·scale, old: s/τ_old); the old side has no
+    gradient.
+    """
+    ln = F.log_softmax(new_logits, dim=-1)
+    lo = F.log_softmax(old_logits.detach(), dim=-1)
+    if direction == "new_old":
+        kl = (ln.exp() * (ln - lo)).sum(-1)
+    else:
+        kl = (lo.exp() * (lo - ln)).sum(-1)
+    return kl.mean()
+
+
+@torch.no_grad()
+def clip_weight_norms_(
+    params: list[torch.Tensor], init_norms: torch.Tensor, gamma: float
+) -> torch.Tensor:
+    """Rescale in place every tensor whose norm exceeds γ·init_norm to exactly that norm.
+
+    Returns the bool mask of the tensors that were rescaled.
+    """
+    if not params:
+        return torch.zeros(0, dtype=torch.bool)
+    norms = torch.stack(torch._foreach_norm(params)).float()
+    limit = gamma * init_norms.to(norms.device, torch.float32)
+    over = norms > limit
+    if bool(over.any()):
+        factors = torch.where(over, limit / norms.clamp_min(1e-12), torch.ones_like(norms))
+        sel = over.nonzero().flatten().tolist()
+        torch._foreach_mul_([params[k] for k in sel], [factors[k].to(params[k].dtype) for k in sel])
+    return over.cpu()
+
+
+# -- the method ----------------------------------------------------------------------------------
+
+
+@register("incclip")
+class IncCLIP(Method):
+    """IncCLIP: pseudo negative texts from memory + I2T/T2I distillation + weight-norm clipping.
+
+    Needs `--buffer reservoir --buffer-size N` (paper: 10 % of the data). Per step, n_pseudo
+    token-embedding mixtures of memory texts are optimised (gen_steps × SGD, gen_lr) against
+    the old model into the cosine band [s_min, s_max] of the sampled memory images; they are
+    I2T negatives only. L_c = α·I2T + (1−α)·T2I; λ·(η·KD_I2T + (1−η)·KD_T2I) with the old model
+    at τ_old (KL(new‖old) as in Eq. 7; kd_direction=old_new flips it); weights clipped to
+    γ·(their norm in the run's initial weights) after each step. See `cvl/methods/incclip.py`.
+    """
+
+    needs_buffer = True
+    defaults = {
+        "n_pseudo": 256,  # B̂ (paper: B_aug = 256)
+        "gen_images": 0,  # memory pairs per step for Eq. 1 (0: the global batch size B)
+        "gen_steps": 5,
+        "gen_lr": 0.1,
+        "s_min": 0.2,
+        "s_max": 0.4,
+        "alpha": 0.5,
+        "eta": 0.5,
+        "lambda": 5.0,
+        "tau_old": 0.01,  # 0: the old model's own learned temperature
+        "gamma": 1.5,  # weight-norm clipping at γ·‖W‖_init (0 = off)
+        "kd_direction": "new_old",
+    }
+
+    def __init__(self, args: dict[str, Any] | None = None) -> None:
+        super().__init__(args)
+        a = self.args
+        if a["kd_direction"] not in ("new_old", "old_new"):
+            raise CvlError(
+                f"method 'incclip': kd_direction must be 'new_old' or 'old_new' "
+                f"(got {a['kd_direction']!r})"
+            )
+        if a["s_min"] > a["s_max"]:
+            raise CvlError(f"method 'incclip': s_min {a['s_min']} > s_max {a['s_max']}")
+        if a["tau_old"] < 0:
+            raise CvlError(f"method 'incclip': tau_old must be ≥ 0 (got {a['tau_old']})")
+        for k in ("n_pseudo", "gen_images", "gen_steps"):
+            if a[k] < 0:
+                raise CvlError(f"method 'incclip': {k} must be ≥ 0 (got {a[k]})")
+        self.old = None
+        self.mem_tokens: torch.Tensor | None = None  # [M, L] token ids of the memory texts
+        self.mem_features: torch.Tensor | None = None  # [M, D] old image features (CPU)
+        self.pseudo: dict[str, torch.Tensor] | None = None
+        self.norm_names: list[str] = []
+        self.init_norms: torch.Tensor | None = None
+
+    # -- run / task -------------------------------------------------------------------------
+    def setup(self, ctx: TaskContext) -> None:
+        _text_tower(getattr(ctx.model, "clip", ctx.model))  # clear error for unsupported models
+        if self.init_norms is None:  # the model holds the run's initial weights here
+            named = self._clipped(ctx.model)
+            with torch.no_grad():
+                norms = [float(p.detach().float().norm()) for _, p in named]
+            keep = [k for k, n in enumerate(norms) if n > 0]  # zero-init weights: never clipped
+            self.norm_names = [named[k][0] for k in keep]
+            self.init_norms = torch.tensor([norms[k] for k in keep], dtype=torch.float64)
+
+    @staticmethod
+    def _clipped(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in model.named_parameters() if p.ndim >= 2]
+
+    def before_task(self, ctx: TaskContext) -> None:
+        self.old = ctx.previous_model()  # frozen, eval mode (None on the first task)
+        self.mem_tokens = self.mem_features = None
+        self.pseudo = None
+        if self.old is not None and self.args["n_pseudo"] > 0 and ctx.buffer is not None:
+            self._embed_memory(ctx)
+
+    @torch.no_grad()
+    def _embed_memory(self, ctx: TaskContext) -> None:
+        """Old-model image features and token ids of every memory item (sharded + gathered)."""
+        from cvl.data.reader import PairDataset, eval_loader
+        from cvl.data.transforms import image_transform
+        from cvl.evaluation.embed import _gather_rows
+
+        entries = ctx.buffer.entries()
+        if not entries:
+            return
+        old, acc = self.old, ctx.accelerator
+        ds = PairDataset(entries, image_transform(old.image_size, train=False), old.tokenizer)
+        feats, toks = [], []
+        for b in eval_loader(ds, 256, rank=acc.process_index, world=acc.num_processes):
+            feats.append(old.encode_image(b["image"].to(acc.device)).float())
+            toks.append(b["text"].to(acc.device))
+        dev, cl = acc.device, old.context_length
+        f = torch.cat(feats) if feats else torch.zeros(0, old.embed_dim, device=dev)
+        t = torch.cat(toks) if toks else torch.zeros(0, cl, dtype=torch.long, device=dev)
+        self.mem_features = _gather_rows(f, acc, len(ds)).cpu()
+        self.mem_tokens = _gather_rows(t, acc, len(ds)).cpu()
+
+    # -- steps ------------------------------------------------------------------------------
+    def before_step(self, ctx: TaskContext) -> None:
+        self.pseudo = None
+        a = self.args
+        if self.old is None or self.mem_tokens is None or a["n_pseudo"] == 0:
+            return
+        g = ctx.generator
+        n_mem = self.mem_tokens.shape[0]
+        gb = ctx.config.batch_size * ctx.accelerator.num_processes
+        nb = min(n_mem, a["gen_images"] or gb)
+        k = a["n_pseudo"]
+        idx = torch.randperm(n_mem, generator=g)[:nb]  # the memory mini-batch
+        i = torch.randint(nb, (k,), generator=g)
+        j = torch.randint(nb, (k,), generator=g)
+        beta = torch.rand(k, generator=g)
+        w = world_size()
+        split = w > 1 and k % w == 0
+        if split:  # this rank's contiguous share of the pseudo texts
+            per = k // w
+            mine = slice(rank() * per, (rank() + 1) * per)
+            i, j, beta = i[mine], j[mine], beta[mine]
+        dev = ctx.device
+        out = generate_pseudo(
+            self.old,
+            self.mem_tokens[idx].to(dev),
+            self.mem_features[idx].to(dev),
+            i.to(dev),
+            j.to(dev),
+            beta,
+            a["gen_steps"],
+            a["gen_lr"],
+            a["s_min"],
+            a["s_max"],
+        )
+        out["split"] = split
+        self.pseudo = out
+
+    def loss(
+        self, batch: dict[str, Any], out: dict[str, torch.Tensor], ctx: TaskContext
+    ) -> dict[str, torch.Tensor]:
+        a = self.args
+        v, w, scale = out["image_features"], out["text_features"], out["logit_scale"]
+        ps = self.pseudo
+        pseudo = old_pseudo = None
+        if ps is not None:
+            pseudo = encode_text_embeds(ctx.model, ps["embeds"], ps["tokens"])
+            old_pseudo = ps["old_features"]
+            if ps["split"]:
+                pseudo, old_pseudo = gather_with_grad(pseudo), gather_no_grad(old_pseudo)
+            ctx.metrics["incclip_gen_loss0"] = float(ps["loss0"])
+            ctx.metrics["incclip_gen_loss"] = float(ps["loss"])
+            ctx.metrics["incclip_pseudo_cos"] = float(ps["cos"])
+        lc, m = pseudo_contrastive(v, w, pseudo, scale, a["alpha"])
+        terms = {"contrastive": lc}
+        if self.old is None:
+            return terms
+        with torch.no_grad():
+            ov = self.old.encode_image(batch["image"]).float()
+            ow = self.old.encode_text(batch["text"]).float()
+            # 1/τ_old; tau_old=0: the old model's own learned temperature
+            old_scale = 1.0 / a["tau_old"] if a["tau_old"] > 0 else float(self.old.logit_scale())
+            old_i2t, old_t2i, _ = global_logits(ov, ow, old_scale)
+            if old_pseudo is not None and old_pseudo.shape[0] > 0:
+                old_i2t = torch.cat([old_i2t, old_scale * ov @ old_pseudo.float().t()], 1)
+        d = a["kd_direction"]
+        ld = a["eta"] * kd_rows(m["i2t"], old_i2t, d) + (1 - a["eta"]) * kd_rows(
+            m["t2i"], old_t2i, d
+        )
+        terms["kd"] = a["lambda"] * ld
+        return terms
+
+    def after_step(self, ctx: TaskContext) -> None:
+        if self.args["gamma"] <= 0 or self.init_norms is None:
+            return
+        params = dict(ctx.model.named_parameters())
+        clip_weight_norms_(
+            [params[n] for n in self.norm_names], self.init_norms, self.args["gamma"]
+        )
+
+    def after_task(self, ctx: TaskContext) -> None:
+        self.pseudo = None
+        self.mem_tokens = self.mem_features = None
+
+    # -- state ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        if self.init_norms is None:
+            return {}
+        return {"init_norm_names": list(self.norm_names), "init_norms": self.init_norms}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "init_norms" in state:
+            self.norm_names = list(state["init_norm_names"])
+            self.init_norms = state["init_norms"].to(torch.float64)

@@ -58,6 +58,8 @@ def test_rectify_three_cases():
     assert out[0].tolist() == pytest.approx(OLD[0], abs=1e-7)
     assert out[1].tolist() == pytest.approx(ROW_B, abs=1e-6)
     assert out[2].tolist() == pytest.approx(ROW_C, abs=1e-6)
+    # as published, row (b) is not a distribution; (a) and (c) are
+    assert out.sum(-1).tolist() == pytest.approx([1.0, 1.4, 1.0], abs=1e-6)
 
 
 def test_old_correct_row_is_kept_whatever_the_new_model_does():
@@ -67,8 +69,6 @@ def test_old_correct_row_is_kept_whatever_the_new_model_does():
     out, case = rectify(old, new, torch.tensor([0]))
     assert case.tolist() == [0]
     assert out[0].tolist() == pytest.approx([0.7, 0.2, 0.1], abs=1e-7)
-    # as published, row (b) is not a distribution; (a) and (c) are
-    assert out.sum(-1).tolist() == pytest.approx([1.0, 1.4, 1.0], abs=1e-6)
 
 
 def test_rectify_rnk_star_and_normalize():

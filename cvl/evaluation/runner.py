@@ -252,11 +252,7 @@ class _Ctx:
     ):
         self.m, self.columns, self.opts, self.model, self.acc = manifest, columns, opts, model, acc
         self.cache = image_cache
-        self.match = (
-            opts.match
-            if opts.match != "auto"
-            else ("text" if manifest.source == "synthetic" else "pair")
-        )
+        self.match = match_rule(manifest, opts.match)
         feat = opts.map_feature
         if feat == "auto":
             feat = "fusion" if getattr(model, "has_fusion", False) else "image+text"
@@ -291,6 +287,13 @@ class _Ctx:
             desc=desc,
             **kw,
         )
+
+
+def match_rule(manifest: Any, match: str = "auto") -> str:
+    """Retrieval hit rule: `auto` = identical caption text on synthetic streams, else the pair."""
+    if match != "auto":
+        return match
+    return "text" if manifest.source == "synthetic" else "pair"
 
 
 def pairs_set(manifest: Any, prefer: str, required: bool = True) -> str | None:

@@ -17,10 +17,15 @@ So on an update iteration both are computed from D = θ_H^{i-1} − θ_M^{i-1}:
 
 Choices, where the paper is silent or the toolkit differs:
 
-- Start point: the paper starts both from the *best-on-validation* main model of the previous
-  task. The loop keeps the end-of-task checkpoint only, so DHA starts from the last-iteration
-  model; the paper's Table 9 finds the two "almost the same" (DHA-best-val vs
-  DHA-last-iteration).
+- Start point and result of a task: the paper's "best main model found in task T_{t-1}
+  (according to the validation performance on task T_{t-1})" initialises both models of the
+  next task (Fig. 3, §3.3) and is what Alg. 1 returns. DHA sets `selects_best_val`, so with
+  the default `--select auto` the loop scores the main model on the task's `val` pairs after
+  every epoch and ends the task with the best epoch's weights (`cvl.train.selection`; saved
+  as the task checkpoint, so evaluation sees it too). Streams without `val` pairs fall back
+  to the last iteration's model (said in the log); `--select last` forces that. (Table 9
+  compares best-val vs last-iteration initialisation of the *historical* model only and finds
+  them "almost the same".)
 - First task: Alg. 1 trains θ_main on D_1 plainly ("initialize θ_main by training the main
   model on D_1"): no historical model, no blending, base loss only.
 - What is blended: every floating-point `nn.Parameter` of the model (the paper's "total
@@ -78,11 +83,12 @@ class DHA(Method):
 
     Before each step θ_M ← λ1·θ_M + (1−λ1)·θ_H; every k steps θ_H ← λ2·θ_H + (1−λ2)·θ_M, both
     from the previous iteration's weights; loss L_i2t + L_t2i. Task 0 trains plainly (Alg. 1).
-    DHA = `--buffer ring --buffer-size` ≈ 5 % of a task; DHA† = no buffer. Both models start
-    from the previous task's final model (not best-on-validation). See `cvl/methods/dha.py`.
+    DHA = `--buffer ring --buffer-size` ≈ 5 % of a task; DHA† = no buffer. Each task ends with
+    its best epoch on the stream's val pairs (when present), which starts the next task.
     """
 
     defaults = {"lambda1": 0.995, "lambda2": 0.985, "k": 5, "sum_directions": True}
+    selects_best_val = True  # `--select auto`: end each task with the best epoch on val
 
     def __init__(self, args: dict[str, Any] | None = None) -> None:
         super().__init__(args)

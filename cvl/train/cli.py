@@ -31,6 +31,7 @@ _OPTS = [
     "checkpoint_every",
     "log_with",
     "max_steps_per_task",
+    "select",
 ]
 
 
@@ -133,6 +134,15 @@ _OPTS = [
 )
 @click.option(
     "--max-steps-per-task", type=int, default=0, help="Stop each task after N steps (smoke tests)."
+)
+@click.option(
+    "--select",
+    default="auto",
+    show_default=True,
+    type=click.Choice(["auto", "last", "best-val"]),
+    help="Weights that end each task: the last ones, or the best epoch on the task's 'val' "
+    "pairs (Rm; DHA's protocol). auto = best-val for methods that ask for it (dha) when the "
+    "stream has val pairs, else last.",
 )
 @click.option(
     "--config",

@@ -48,6 +48,7 @@ class TrainConfig:
     log_every: int = 1
     log_with: str = "auto"  # auto (tensorboard if installed) | tensorboard | wandb | none
     max_steps_per_task: int = 0  # debugging / smoke tests: stop each task early (0 = off)
+    select: str = "auto"  # auto | last | best-val: which weights end a task (cvl.train.selection)
 
     def validate(self) -> TrainConfig:
         """Clear one-line errors for values no run could use."""
@@ -63,6 +64,12 @@ class TrainConfig:
             raise CvlError(f"--precision must be no, bf16 or fp16, got '{self.precision}'")
         if self.augment not in ("openclip", "ctp", "none"):
             raise CvlError(f"--augment must be openclip, ctp or none, got '{self.augment}'")
+        from cvl.train.selection import SELECT_CHOICES
+
+        if self.select not in SELECT_CHOICES:
+            raise CvlError(
+                f"--select must be one of {', '.join(SELECT_CHOICES)}, got '{self.select}'"
+            )
         if self.buffer and self.buffer_size <= 0:
             raise CvlError(f"--buffer {self.buffer} needs a positive --buffer-size")
         if self.buffer_size and not self.buffer:
@@ -135,6 +142,10 @@ def parse_method_args(items: tuple[str, ...]) -> dict[str, Any]:
 
 
 def config_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """Lines 'key: old -> new' for result-changing keys that differ."""
+    """Lines 'key: old -> new' for result-changing keys that differ.
+
+    Keys missing from `old` (a run written before the option existed) count as their default.
+    """
+    old = {**TrainConfig().to_json(), **old}
     keys = sorted((set(old) | set(new)) - NON_RESULT_KEYS)
     return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]

@@ -36,9 +36,11 @@ from cvl.runs import MODEL_FILE, RUN_JSON, RUN_SCHEMA, task_dir
 from cvl.streams.manifest import Manifest, load_manifest
 from cvl.train.checkpoint import load_state, load_torch, save_state, save_torch
 from cvl.train.config import TrainConfig, config_diff
+from cvl.train.selection import BestKeeper, selection_set, val_score
 
 LAST = "last"
 METHOD_STATE = "method_state"
+BEST_MODEL = "best_model.safetensors"  # in last/: the best-on-validation weights so far
 
 
 def cosine_schedule(total: int, warmup: float, base_lr: float, min_lr: float):
@@ -333,10 +335,16 @@ class Trainer:
         ctx.task_entries = self.entries_of(name)
         ctx.epoch = ctx.step = 0
         self._log_path = self.out / "logs" / f"{ti:02d}-{name}.jsonl"
+        self._keeper: BestKeeper | None = None
         if not self.method.trains:
             self._finish_task(ti, ctx, [])
             return
         self.method.before_task(ctx)
+        sel = selection_set(self.manifest, name, cfg.select, self.method)
+        self._keeper = BestKeeper() if sel else None
+        wants = cfg.select == "auto" and getattr(self.method, "selects_best_val", False)
+        if wants and sel is None and acc.is_main_process:
+            acc.print(f"note: no 'val' pairs for task {name}: {cfg.method} keeps the last weights")
         entries = self.method.task_entries(ctx)
         ds = PairDataset(
             entries,
@@ -362,6 +370,10 @@ class Trainer:
             self._restore_method_state(load_state(last, METHOD_STATE), ctx)
             epoch0, batch0, ctx.step = pos["epoch"], pos["batch"], pos["step"]
             self._truncate_log(ctx.step)
+            if self._keeper is not None:
+                self._restore_keeper(last, pos)
+                if batch0 == 0 and self._keeper.validated < epoch0 - 1:
+                    self._validate(sel, ctx, epoch0 - 1)  # saved right after that epoch's end
         elif acc.is_main_process and self._log_path.exists():
             self._log_path.unlink()
         ctx.global_step = sum(self._steps_done_before(ti)) + ctx.step
@@ -462,11 +474,28 @@ class Trainer:
                     nxt = (epoch, bi + 1) if bi + 1 < usable else (epoch + 1, 0)
                     self._save_last(ctx, opt, sched, {"epoch": nxt[0], "batch": nxt[1]})
             batch0 = 0
+            if self._keeper is not None:
+                self._validate(sel, ctx, epoch)
         bar.close()
+        if self._keeper is not None and self._keeper.weights is not None:
+            self.model.load_state_dict(self._keeper.weights)  # the task ends with the best
+            k = self._keeper
+            self.acc.print(f"task {name}: keeping epoch {k.epoch + 1} (val Rm {k.score:.2f})")
         self.method.after_task(ctx)
         if ctx.buffer is not None:
             ctx.buffer.update(name, ctx.task_entries, ctx)
         self._finish_task(ti, ctx, [])
+
+    def _validate(self, set_name: str, ctx: TaskContext, epoch: int) -> None:
+        """Score the model on the task's validation pairs; the keeper keeps the best weights."""
+        score = val_score(self.model, self.manifest, set_name, ctx.task_name, self.acc)
+        self._keeper.offer(self.model, score, epoch, ctx.step)
+
+    def _restore_keeper(self, last: Path, pos: dict) -> None:
+        from safetensors.torch import load_file
+
+        f = last / BEST_MODEL
+        self._keeper.load_info(pos.get("best") or {}, load_file(str(f)) if f.is_file() else None)
 
     def _steps_done_before(self, ti: int) -> list[int]:
         out = []
@@ -513,15 +542,15 @@ class Trainer:
                 save_torch(tmp / "optimizer.pt", opt.state_dict())
                 save_torch(tmp / "scheduler.pt", sched.state_dict())
                 save_state(tmp, METHOD_STATE, state)
-                write_json(
-                    tmp / "position.json",
-                    {
-                        "task_index": ctx.task_index,
-                        "task": ctx.task_name,
-                        "step": ctx.step,
-                        **where,
-                    },
-                )
+                pos = {"task_index": ctx.task_index, "task": ctx.task_name, "step": ctx.step}
+                keeper = getattr(self, "_keeper", None)
+                if keeper is not None:
+                    pos["best"] = keeper.info()
+                    if keeper.weights is not None:
+                        from safetensors.torch import save_file
+
+                        save_file(keeper.weights, str(tmp / BEST_MODEL))
+                write_json(tmp / "position.json", {**pos, **where})
         self.acc.wait_for_everyone()
 
     def _finish_task(self, ti: int, ctx: TaskContext, _: list) -> None:
@@ -544,6 +573,9 @@ class Trainer:
                         "train_items": len(ctx.task_entries),
                         "buffer_items": len(ctx.buffer) if ctx.buffer is not None else 0,
                         "skipped": getattr(self, "skipped", {}).get(ctx.task_name, {}),
+                        "selection": (
+                            k.info() if (k := getattr(self, "_keeper", None)) else {"by": "last"}
+                        ),
                     },
                 )
             shutil.rmtree(self.out / LAST, ignore_errors=True)

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+import cvl.losses
+import cvl.methods.incclip as incclip_mod
 from cvl.errors import CvlError
 from cvl.methods.base import frozen_copy
 from cvl.methods.incclip import (
@@ -123,6 +125,103 @@ def test_kd_uses_tau_old_on_the_old_side():
         terms = m.loss({"image": None, "text": None}, out, ctx)
         assert float(terms["kd"]) == pytest.approx(5.0 * per_row, abs=1e-5)
         assert float(terms["contrastive"]) == pytest.approx(math.log(E + 1) - 1, abs=1e-6)
+
+
+def _rows_dot(a, b):
+    """a · bᵀ for lists of row vectors."""
+    return [[sum(x * y for x, y in zip(r, c)) for c in b] for r in a]
+
+
+def _softmax(row):
+    m = max(row)
+    e = [math.exp(x - m) for x in row]
+    return [x / sum(e) for x in e]
+
+
+def _kl(p, q):
+    return sum(pi * math.log(pi / qi) for pi, qi in zip(p, q))
+
+
+@pytest.mark.parametrize("with_pseudo", [True, False])
+@pytest.mark.parametrize("world", [1, 2])
+def test_kd_by_hand_asymmetric_old_model_eta_and_pseudo_texts(monkeypatch, world, with_pseudo):
+    # Eq. 7-9 from scratch. B = 2 pairs, D = 2, one pseudo text (B̂ = 1), η = 0.3, λ = 2.
+    # New model (scale s = 2): v1 = (1, 0), v2 = (.6, .8); w1 = (.8, .6), w2 = (0, 1);
+    #   pseudo text p = (.6, −.8) (the *current* model's features of the pseudo embeddings).
+    # Old model at τ_old = 0.5 (its own scale, 100, must not be used): v'1 = (.8, .6),
+    #   v'2 = (−.6, .8) (not the identity), w'1 = (1, 0), w'2 = (−.28, .96) (asymmetric);
+    #   p' = (0, 1) (the *old* model's features of the same pseudo embeddings, ≠ p).
+    #   Cosines: old I2T = v'·[w'; p']ᵀ = [[.8, .352, .6], [−.6, .936, .8]],
+    #   old T2I = w'·v'ᵀ = [[.8, −.6], [.352, .936]] (≠ the real-text block of I2T).
+    # L_d = η·mean_i KL(P_new^I2T_i ‖ P_old^I2T_i) + (1−η)·mean_j KL(P_new^T2I_j ‖ P_old^T2I_j),
+    # I2T over the B real + B̂ pseudo texts, T2I over the B images only.
+    # world = 2: this process is rank 1 of 2 and holds pair 2 only (rows: its own pairs,
+    # columns: the global batch; the pseudo texts are already global, `split` False).
+    v, w, p = [[1.0, 0.0], [0.6, 0.8]], [[0.8, 0.6], [0.0, 1.0]], [[0.6, -0.8]]
+    ov, ow, op = [[0.8, 0.6], [-0.6, 0.8]], [[1.0, 0.0], [-0.28, 0.96]], [[0.0, 1.0]]
+    s, old_s, eta, lam = 2.0, 1 / 0.5, 0.3, 2.0
+    texts, old_texts = (w + p, ow + op) if with_pseudo else (w, ow)
+    new_i2t = [[s * x for x in r] for r in _rows_dot(v, texts)]
+    new_t2i = [[s * x for x in r] for r in _rows_dot(w, v)]
+    old_i2t = [[old_s * x for x in r] for r in _rows_dot(ov, old_texts)]
+    old_t2i = [[old_s * x for x in r] for r in _rows_dot(ow, ov)]
+    assert old_t2i != [r[:2] for r in old_i2t]  # the two old directions really differ
+    mine = [0, 1] if world == 1 else [1]  # this process's pairs
+
+    def kd(new, old):
+        return sum(_kl(_softmax(new[k]), _softmax(old[k])) for k in mine) / len(mine)
+
+    expected = lam * (eta * kd(new_i2t, old_i2t) + (1 - eta) * kd(new_t2i, old_t2i))
+    # L_c (Eq. 4-6, α = 0.5): CE of the matched pair; pseudo texts are I2T negatives only
+    ce_i2t = sum(-math.log(_softmax(new_i2t[k])[k]) for k in mine) / len(mine)
+    ce_t2i = sum(-math.log(_softmax(new_t2i[k])[k]) for k in mine) / len(mine)
+    expected_lc = 0.5 * ce_i2t + 0.5 * ce_t2i
+    if world == 1 and with_pseudo:  # anchors for the formulas above
+        assert expected == pytest.approx(1.1587979, abs=1e-6)
+        assert expected_lc == pytest.approx(0.6475460, abs=1e-6)
+
+    if world == 2:  # all-gather puts rank 0's rows (pair 1) first
+        full = [torch.tensor(x) for x in (v, w, ov, ow)]
+
+        def gather(x):
+            (g,) = [f for f in full if torch.equal(f[1:], x)]
+            return g
+
+        monkeypatch.setattr(cvl.losses, "gather_with_grad", gather)
+        monkeypatch.setattr(cvl.losses, "local_rows", lambda n: slice(1, 1 + n))
+    ctx = SimpleNamespace(metrics={}, model=object())
+    m = IncCLIP({"tau_old": 0.5, "eta": eta, "lambda": lam})
+    m.old = _Old(torch.tensor([ov[k] for k in mine]), torch.tensor([ow[k] for k in mine]))
+    if with_pseudo:
+        embeds, tokens = torch.zeros(1, 3, 4), torch.tensor([[1, 2, 3]])
+        # the pseudo dict as `before_step` leaves it
+        m.pseudo = {
+            "embeds": embeds,
+            "tokens": tokens,
+            "old_features": torch.tensor(op),
+            "split": False,
+            "loss0": torch.tensor(0.3),
+            "loss": torch.tensor(0.1),
+            "cos": torch.tensor(0.25),
+        }
+
+        def current_text_tower(model, e, t):  # the current model's g_t(ē_k)
+            assert model is ctx.model and e is embeds and t is tokens
+            return torch.tensor(p)
+
+        monkeypatch.setattr(incclip_mod, "encode_text_embeds", current_text_tower)
+    out = {
+        "image_features": torch.tensor([v[k] for k in mine]),
+        "text_features": torch.tensor([w[k] for k in mine]),
+        "logit_scale": torch.tensor(s),
+    }
+    terms = m.loss({"image": None, "text": None}, out, ctx)
+    assert float(terms["kd"]) == pytest.approx(expected, abs=1e-6)
+    assert float(terms["contrastive"]) == pytest.approx(expected_lc, abs=1e-6)
+    if with_pseudo:
+        assert ctx.metrics == pytest.approx(
+            {"incclip_gen_loss0": 0.3, "incclip_gen_loss": 0.1, "incclip_pseudo_cos": 0.25}
+        )
 
 
 # -- weight-norm clipping ---------------------------------------------------------------------

@@ -28,8 +28,8 @@ then the gathered momentum features of the global batch are enqueued (FIFO ring;
 all ranks). The code uses each GPU's local momentum batch as positives; the global batch makes
 N processes × batch B train exactly like 1 × N·B.
 
-MLM distillation (Eq. 5, fusion model only): L_mlm^c = −Σ softmax(M's MLM logits / T) ·
-log_softmax(F's MLM logits / T), averaged over the masked positions of the global batch (each
+MLM distillation (Eq. 5, fusion model only): L_mlm^c = −T²·Σ softmax(M's MLM logits / T) ·
+log_softmax(F's MLM logits / T) (Eq. 5 has no T: the default T = 1 is exactly Eq. 5), averaged over the masked positions of the global batch (each
 rank scales its sum by world / global count, so uneven masking across ranks stays exact), on
 the same masked ids as F's MLM loss (`mlm_term`'s masking); T = `distill_temp` = 1. The
 code computes it on the first task but drops it from the loss; the paper applies L_CMC

@@ -658,9 +658,11 @@ def mlm_distillation(
     labels: torch.Tensor,
     temperature: float = 1.0,
 ) -> torch.Tensor:
-    """Soft-label MLM loss at the masked positions: −Σ softmax(teacher/T)·log_softmax(student/T).
+    """Soft-label MLM loss at the masked positions: −T²·Σ softmax(teacher/T)·log_softmax(student/T).
 
-    CTP's L_mlm^c and ALBEF's momentum distillation (T = 1); LwF/LUCIR's MLM distillation.
+    CTP's L_mlm^c and ALBEF's momentum distillation (T = 1, where the T² factor is 1 and this
+    is exactly their equation); LwF/LUCIR's MLM distillation. T² (Hinton et al.) keeps the
+    gradient scale independent of T when T ≠ 1 is chosen.
     """
     sel = labels != IGNORE_INDEX
     if not bool(sel.any()):

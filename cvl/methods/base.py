@@ -107,6 +107,14 @@ class Method:
             out[k] = v
         return out
 
+    def check_choice(self, key: str, choices: tuple[str, ...]) -> None:
+        """A clear error unless argument `key` is one of `choices`."""
+        if self.args[key] not in choices:
+            allowed = " or ".join(repr(c) for c in choices)
+            raise CvlError(
+                f"method '{self.name}': {key} must be {allowed} (got {self.args[key]!r})"
+            )
+
     @classmethod
     def summary(cls) -> str:
         """First line of the class docstring."""
@@ -148,6 +156,26 @@ class Method:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+
+
+class PreviousModelMethod(Method):
+    """Base of methods that compare the training model with the previous task's final model.
+
+    `self.old` is that model (frozen, eval mode), rebuilt from disk by `before_task` (also on
+    resume); None on the first task, where such methods train with the base loss.
+    """
+
+    def __init__(self, args: dict[str, Any] | None = None) -> None:
+        super().__init__(args)
+        self.old: nn.Module | None = None
+
+    def before_task(self, ctx: TaskContext) -> None:
+        self.old = ctx.previous_model()
+
+    @torch.no_grad()
+    def old_features(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The old model's normalised (image, text) features of this rank's batch."""
+        return self.old.encode_image(batch["image"]), self.old.encode_text(batch["text"])
 
 
 def base_loss(

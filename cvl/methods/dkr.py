@@ -46,9 +46,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from cvl.errors import CvlError
 from cvl.losses import js_rows, old_new_global_logits, row_correct, sum_over_global_rows
-from cvl.methods.base import Method, TaskContext, base_loss
+from cvl.methods.base import PreviousModelMethod, TaskContext, base_loss
 from cvl.methods.registry import register
 
 
@@ -106,21 +105,14 @@ def dkr_js(
 
 
 @register("dkr")
-class DKR(Method):
+class DKR(PreviousModelMethod):
     """DKR: JS distillation of the old affinities rectified per row (keep / new-knowledge / label)."""
 
     defaults = {"lam": 1.0, "rnk_star": False, "normalize": False, "reduction": "mean"}
 
     def __init__(self, args: dict[str, Any] | None = None) -> None:
         super().__init__(args)
-        if self.args["reduction"] not in ("sum", "mean"):
-            raise CvlError(
-                f"method 'dkr': reduction must be 'sum' or 'mean' (got {self.args['reduction']!r})"
-            )
-        self.old = None
-
-    def before_task(self, ctx: TaskContext) -> None:
-        self.old = ctx.previous_model()  # frozen, eval mode; rebuilt from disk on resume
+        self.check_choice("reduction", ("sum", "mean"))
 
     def loss(
         self, batch: dict[str, Any], out: dict[str, torch.Tensor], ctx: TaskContext
@@ -128,9 +120,8 @@ class DKR(Method):
         terms = base_loss(ctx.model, batch, out, ctx)
         if self.old is None:
             return terms
+        ov, ow = self.old_features(batch)
         with torch.no_grad():
-            ov = self.old.encode_image(batch["image"])
-            ow = self.old.encode_text(batch["text"])
             old_scale = self.old.logit_scale()
         m = old_new_global_logits(
             out["image_features"], out["text_features"], ov, ow, out["logit_scale"], old_scale

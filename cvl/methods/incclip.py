@@ -86,7 +86,7 @@ from torch import nn
 from cvl.dist import gather_no_grad, gather_with_grad, rank, world_size
 from cvl.errors import CvlError
 from cvl.losses import global_logits
-from cvl.methods.base import Method, TaskContext
+from cvl.methods.base import PreviousModelMethod, TaskContext
 from cvl.methods.registry import register
 
 # -- open_clip text tower from token embeddings ------------------------------------------------
@@ -282,7 +282,7 @@ def clip_weight_norms_(
 
 
 @register("incclip")
-class IncCLIP(Method):
+class IncCLIP(PreviousModelMethod):
     """IncCLIP: pseudo negative texts from memory + I2T/T2I distillation + weight-norm clipping.
 
     Needs `--buffer reservoir --buffer-size N` (paper: 10 % of the data). Per step, n_pseudo
@@ -312,11 +312,7 @@ class IncCLIP(Method):
     def __init__(self, args: dict[str, Any] | None = None) -> None:
         super().__init__(args)
         a = self.args
-        if a["kd_direction"] not in ("new_old", "old_new"):
-            raise CvlError(
-                f"method 'incclip': kd_direction must be 'new_old' or 'old_new' "
-                f"(got {a['kd_direction']!r})"
-            )
+        self.check_choice("kd_direction", ("new_old", "old_new"))
         if a["s_min"] > a["s_max"]:
             raise CvlError(f"method 'incclip': s_min {a['s_min']} > s_max {a['s_max']}")
         if a["tau_old"] < 0:
@@ -324,7 +320,6 @@ class IncCLIP(Method):
         for k in ("n_pseudo", "gen_images", "gen_steps"):
             if a[k] < 0:
                 raise CvlError(f"method 'incclip': {k} must be ≥ 0 (got {a[k]})")
-        self.old = None
         self.mem_tokens: torch.Tensor | None = None  # [M, L] token ids of the memory texts
         self.mem_features: torch.Tensor | None = None  # [M, D] old image features (CPU)
         self.pseudo: dict[str, torch.Tensor] | None = None
@@ -347,7 +342,7 @@ class IncCLIP(Method):
         return [(n, p) for n, p in model.named_parameters() if p.ndim >= 2]
 
     def before_task(self, ctx: TaskContext) -> None:
-        self.old = ctx.previous_model()  # frozen, eval mode (None on the first task)
+        super().before_task(ctx)  # self.old: frozen previous-task model (None on task 0)
         self.mem_tokens = self.mem_features = None
         self.pseudo = None
         if self.old is not None and self.args["n_pseudo"] > 0 and ctx.buffer is not None:
@@ -431,9 +426,8 @@ class IncCLIP(Method):
         terms = {"contrastive": lc}
         if self.old is None:
             return terms
+        ov, ow = (f.float() for f in self.old_features(batch))
         with torch.no_grad():
-            ov = self.old.encode_image(batch["image"]).float()
-            ow = self.old.encode_text(batch["text"]).float()
             # 1/τ_old; tau_old=0: the old model's own learned temperature
             old_scale = 1.0 / a["tau_old"] if a["tau_old"] > 0 else float(self.old.logit_scale())
             old_i2t, old_t2i, _ = global_logits(ov, ow, old_scale)

@@ -42,7 +42,7 @@ import torch
 
 from cvl.errors import CvlError
 from cvl.losses import kl_rows, old_new_global_logits, row_correct, sum_over_global_rows
-from cvl.methods.base import Method, TaskContext, base_loss
+from cvl.methods.base import PreviousModelMethod, TaskContext, base_loss
 from cvl.methods.registry import register
 
 
@@ -67,7 +67,7 @@ def modx_kl(
 
 
 @register("modx")
-class ModX(Method):
+class ModX(PreviousModelMethod):
     """Mod-X: KL(old ‖ new) on the batch's contrastive matrices, mis-retrieved old rows replaced."""
 
     defaults = {"alpha": 20.0, "tau": 1.0, "reduction": "sum"}
@@ -76,14 +76,7 @@ class ModX(Method):
         super().__init__(args)
         if self.args["tau"] <= 0:
             raise CvlError(f"method 'modx': tau must be positive (got {self.args['tau']})")
-        if self.args["reduction"] not in ("sum", "mean"):
-            raise CvlError(
-                f"method 'modx': reduction must be 'sum' or 'mean' (got {self.args['reduction']!r})"
-            )
-        self.old = None
-
-    def before_task(self, ctx: TaskContext) -> None:
-        self.old = ctx.previous_model()  # frozen, eval mode; rebuilt from disk on resume
+        self.check_choice("reduction", ("sum", "mean"))
 
     def loss(
         self, batch: dict[str, Any], out: dict[str, torch.Tensor], ctx: TaskContext
@@ -91,9 +84,7 @@ class ModX(Method):
         terms = base_loss(ctx.model, batch, out, ctx)
         if self.old is None:
             return terms
-        with torch.no_grad():
-            ov = self.old.encode_image(batch["image"])
-            ow = self.old.encode_text(batch["text"])
+        ov, ow = self.old_features(batch)
         m = old_new_global_logits(out["image_features"], out["text_features"], ov, ow)
         a = self.args
         kl_i2t, ok_i2t = modx_kl(m["i2t"], m["old_i2t"], m["targets"], a["tau"], a["reduction"])

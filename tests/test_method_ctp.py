@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from resume_helpers import assert_same_task_weights, interrupt_then_resume
 from safetensors.torch import load_file
 from torch import nn
 
@@ -420,24 +421,21 @@ def test_ctp_resume_mid_task_gives_identical_weights(
     kw = dict(epochs=2, checkpoint_every=2, max_steps_per_task=5, model=model, model_config=config)
     kw["method_args"] = {"queue_size": 40}  # wraps during task 1 (16 items per step)
     _train(synth_stream, tmp_path / "a", **kw)
-    orig = CTP.after_step
+    keys = []
+    real_save = Trainer._save_last
 
-    def boom(self, ctx):
-        orig(self, ctx)
-        if ctx.task_index == 1 and ctx.step == 3:
-            raise KeyboardInterrupt
+    def save_last(self, ctx, *a):  # the mid-task state holds the momentum model
+        real_save(self, ctx, *a)
+        keys.append(set(load_file(str(self.out / "last" / "method_state.safetensors"))))
 
-    monkeypatch.setattr(CTP, "after_step", boom)
-    with pytest.raises(KeyboardInterrupt):
-        _train(synth_stream, tmp_path / "b", **kw)
-    last = tmp_path / "b" / "last"
-    assert json.loads((last / "position.json").read_text())["step"] == 2
-    assert any("momentum_model" in k for k in load_file(str(last / "method_state.safetensors")))
-    monkeypatch.undo()
-    _train(synth_stream, tmp_path / "b", **kw)
+    monkeypatch.setattr(Trainer, "_save_last", save_last)
+    pos = interrupt_then_resume(
+        lambda out: _train(synth_stream, out, **kw), CTP, tmp_path / "b", monkeypatch
+    )
+    assert pos["step"] == 2
+    assert keys and all(any("momentum_model" in k for k in ks) for ks in keys)
+    assert_same_task_weights(tmp_path / "a", tmp_path / "b")
     for ca, cb in zip(finished_tasks(tmp_path / "a"), finished_tasks(tmp_path / "b")):
-        a, b = load_file(str(ca.model_path)), load_file(str(cb.model_path))
-        assert all(torch.equal(a[k], b[k]) for k in a)
         sa = load_file(str(ca.path / "method_state.safetensors"))
         sb = load_file(str(cb.path / "method_state.safetensors"))
         assert all(torch.equal(sa[k], sb[k]) for k in sa)

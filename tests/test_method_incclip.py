@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from resume_helpers import assert_same_task_weights, interrupt_then_resume, task_log
 from safetensors.torch import load_file
 
 import cvl.losses
@@ -402,25 +403,13 @@ def test_resume_mid_task_gives_identical_weights(synth_stream, tmp_path, monkeyp
         buffer_size=16,
     )
     _train(synth_stream, tmp_path / "a", **kw)
-    real = IncCLIP.after_step
-
-    def boom(self, ctx):
-        real(self, ctx)
-        if ctx.task_index == 1 and ctx.step == 3:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(IncCLIP, "after_step", boom)
-    with pytest.raises(KeyboardInterrupt):
-        _train(synth_stream, tmp_path / "b", **kw)
-    assert json.loads((tmp_path / "b" / "last" / "position.json").read_text())["step"] == 2
-    monkeypatch.undo()
-    _train(synth_stream, tmp_path / "b", **kw)
-    a = load_file(str(finished_tasks(tmp_path / "a")[-1].model_path))
-    b = load_file(str(finished_tasks(tmp_path / "b")[-1].model_path))
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    la = (finished_tasks(tmp_path / "a")[1].path / "train_log.jsonl").read_text().splitlines()
-    lb = (finished_tasks(tmp_path / "b")[1].path / "train_log.jsonl").read_text().splitlines()
-    assert [json.loads(x)["loss"] for x in la] == [json.loads(x)["loss"] for x in lb]
+    pos = interrupt_then_resume(
+        lambda out: _train(synth_stream, out, **kw), IncCLIP, tmp_path / "b", monkeypatch
+    )
+    assert pos["step"] == 2
+    assert_same_task_weights(tmp_path / "a", tmp_path / "b")
+    la, lb = task_log(tmp_path / "a", 1), task_log(tmp_path / "b", 1)
+    assert [r["loss"] for r in la] == [r["loss"] for r in lb]
 
 
 @pytest.mark.slow

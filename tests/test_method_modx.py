@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from resume_helpers import assert_same_task_weights, interrupt_then_resume, task_log
 
 from cvl.methods.base import TaskContext
 from cvl.methods.modx import ModX, modx_kl
@@ -195,27 +195,17 @@ def test_modx_trains_logs_and_checkpoints(synth_stream, tmp_path):
 
 
 def test_modx_resume_mid_task_identical_weights(synth_stream, tmp_path, monkeypatch):
-    kw = dict(checkpoint_every=2, max_steps_per_task=4)
-    _train(synth_stream, tmp_path / "a", **kw)
+    def train(out):
+        _train(synth_stream, out, checkpoint_every=2, max_steps_per_task=4)
 
-    def boom(self, ctx):
-        if ctx.task_index == 1 and ctx.step == 3:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(ModX, "after_step", boom)
-    with pytest.raises(KeyboardInterrupt):
-        _train(synth_stream, tmp_path / "b", **kw)
-    pos = json.loads((tmp_path / "b" / "last" / "position.json").read_text())
+    train(tmp_path / "a")
+    pos = interrupt_then_resume(train, ModX, tmp_path / "b", monkeypatch)
     assert (pos["task_index"], pos["step"]) == (1, 2)
-    monkeypatch.undo()
-    _train(synth_stream, tmp_path / "b", **kw)
-    a = load_file(str(finished_tasks(tmp_path / "a")[-1].model_path))
-    b = load_file(str(finished_tasks(tmp_path / "b")[-1].model_path))
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    la = (finished_tasks(tmp_path / "a")[1].path / "train_log.jsonl").read_text().splitlines()
-    lb = (finished_tasks(tmp_path / "b")[1].path / "train_log.jsonl").read_text().splitlines()
+    assert_same_task_weights(tmp_path / "a", tmp_path / "b")
     key = lambda r: (r["loss"], r["modx_kl"], _metric(r, "modx_old_correct_i2t"))  # noqa: E731
-    assert [key(json.loads(x)) for x in la] == [key(json.loads(x)) for x in lb]
+    assert [key(r) for r in task_log(tmp_path / "a", 1)] == [
+        key(r) for r in task_log(tmp_path / "b", 1)
+    ]
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from resume_helpers import assert_same_task_weights, interrupt_then_resume, task_log
 from safetensors.torch import load_file
 
 from cvl.cli import main
@@ -77,29 +78,17 @@ def test_reservoir_buffer_is_mixed_in_and_saved(synth_stream, tmp_path):
 
 
 def test_resume_mid_task_gives_identical_weights(synth_stream, tmp_path, monkeypatch):
-    kw = dict(epochs=2, checkpoint_every=2, max_steps_per_task=5)
-    _train(synth_stream, tmp_path / "a", **kw)
     from cvl.methods.seqft import SeqFT
 
-    calls = {"n": 0}
-
-    def boom(self, ctx):
-        calls["n"] += 1
-        if ctx.task_index == 1 and ctx.step == 3:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(SeqFT, "after_step", boom)
-    with pytest.raises(KeyboardInterrupt):
-        _train(synth_stream, tmp_path / "b", **kw)
-    assert json.loads((tmp_path / "b" / "last" / "position.json").read_text())["step"] == 2
-    monkeypatch.undo()
-    _train(synth_stream, tmp_path / "b", **kw)
-    a = _weights(finished_tasks(tmp_path / "a")[-1].model_path)
-    b = _weights(finished_tasks(tmp_path / "b")[-1].model_path)
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    la = (finished_tasks(tmp_path / "a")[1].path / "train_log.jsonl").read_text().splitlines()
-    lb = (finished_tasks(tmp_path / "b")[1].path / "train_log.jsonl").read_text().splitlines()
-    assert [json.loads(x)["loss"] for x in la] == [json.loads(x)["loss"] for x in lb]
+    kw = dict(epochs=2, checkpoint_every=2, max_steps_per_task=5)
+    _train(synth_stream, tmp_path / "a", **kw)
+    pos = interrupt_then_resume(
+        lambda out: _train(synth_stream, out, **kw), SeqFT, tmp_path / "b", monkeypatch
+    )
+    assert pos["step"] == 2
+    assert_same_task_weights(tmp_path / "a", tmp_path / "b")
+    la, lb = task_log(tmp_path / "a", 1), task_log(tmp_path / "b", 1)
+    assert [r["loss"] for r in la] == [r["loss"] for r in lb]
 
 
 def test_changed_config_is_refused_unless_forced(synth_stream, tmp_path):

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from resume_helpers import assert_same_task_weights, interrupt_then_resume
 from safetensors.torch import load_file
 from torch import nn
+from train_helpers import assert_same_task_weights, interrupt_then_resume
 
 from cvl.methods.ctp import (
     CTP,

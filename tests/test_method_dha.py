@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from resume_helpers import assert_same_task_weights, interrupt_then_resume
 from safetensors.torch import load_file
 from torch import nn
+from train_helpers import assert_same_task_weights, interrupt_then_resume
 
 from cvl.losses import clip_loss
 from cvl.methods.dha import DHA, dha_blend

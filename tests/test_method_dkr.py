@@ -7,14 +7,18 @@ import math
 
 import pytest
 import torch
-from resume_helpers import assert_same_task_weights, interrupt_then_resume, task_log
+from train_helpers import (
+    assert_same_task_weights,
+    interrupt_then_resume,
+    metric,
+    task_log,
+    train_run,
+)
 
 from cvl.losses import js_rows
 from cvl.methods.base import TaskContext
 from cvl.methods.dkr import DKR, dkr_js, rectify
 from cvl.runs import finished_tasks
-from cvl.train.config import resolve
-from cvl.train.loop import Trainer
 
 # Affinities (row-softmaxes; pair i is column i), one row per case of Alg. 1:
 #   row 0: old retrieves 0 (0.7 largest)                        → (a) keep old row
@@ -171,14 +175,8 @@ FAST = dict(
 )
 
 
-def _metric(rec, k):
-    """A method metric from a log record (the loop may prefix metrics with `m/`)."""
-    return rec[k] if k in rec else rec[f"m/{k}"]
-
-
 def _train(stream, out, **kw):
-    cfg = resolve(None, {"stream": str(stream), "out": str(out), **{**FAST, **kw}})
-    Trainer(cfg, progress=False).run()
+    train_run(stream, out, FAST, **kw)
 
 
 def test_dkr_trains_logs_and_checkpoints(synth_stream, tmp_path):
@@ -191,7 +189,7 @@ def test_dkr_trains_logs_and_checkpoints(synth_stream, tmp_path):
     assert "dkr_js" not in logs[0][0]
     for rec in logs[1] + logs[2]:
         assert rec["loss"] == pytest.approx(rec["itc"] + rec["dkr_js"], rel=1e-5)
-        shares = [_metric(rec, k) for k in ("dkr_old_correct", "dkr_new_only", "dkr_neither")]
+        shares = [metric(rec, k) for k in ("dkr_old_correct", "dkr_new_only", "dkr_neither")]
         assert sum(shares) == pytest.approx(1.0)
     # first step of a task: new == old; with normalised rows every case gives JS ≥ 0
     assert logs[1][0]["dkr_js"] >= 0 and logs[1][-1]["dkr_js"] > 0
@@ -205,7 +203,7 @@ def test_dkr_resume_mid_task_identical_weights(synth_stream, tmp_path, monkeypat
     pos = interrupt_then_resume(train, DKR, tmp_path / "b", monkeypatch)
     assert (pos["task_index"], pos["step"]) == (1, 2)
     assert_same_task_weights(tmp_path / "a", tmp_path / "b")
-    key = lambda r: (r["loss"], r["dkr_js"], _metric(r, "dkr_neither"))  # noqa: E731
+    key = lambda r: (r["loss"], r["dkr_js"], metric(r, "dkr_neither"))  # noqa: E731
     assert [key(r) for r in task_log(tmp_path / "a", 1)] == [
         key(r) for r in task_log(tmp_path / "b", 1)
     ]
@@ -223,7 +221,7 @@ def test_dkr_two_processes_equal_one(synth_stream, tmp_path):
         if a["task_index"] > 0:
             assert abs(a["dkr_js"] - b["dkr_js"]) <= 1e-5, (a, b)
             for k in ("dkr_old_correct", "dkr_new_only", "dkr_neither"):
-                assert abs(_metric(a, k) - _metric(b, k)) <= 1e-6, (k, a, b)
+                assert abs(metric(a, k) - metric(b, k)) <= 1e-6, (k, a, b)
 
 
 @pytest.mark.slow

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from resume_helpers import assert_same_task_weights, interrupt_then_resume, task_log
 from safetensors.torch import load_file
+from train_helpers import assert_same_task_weights, interrupt_then_resume, task_log
 
 import cvl.losses
 import cvl.methods.incclip as incclip_mod

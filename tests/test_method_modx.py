@@ -7,13 +7,17 @@ import math
 
 import pytest
 import torch
-from resume_helpers import assert_same_task_weights, interrupt_then_resume, task_log
+from train_helpers import (
+    assert_same_task_weights,
+    interrupt_then_resume,
+    metric,
+    task_log,
+    train_run,
+)
 
 from cvl.methods.base import TaskContext
 from cvl.methods.modx import ModX, modx_kl
 from cvl.runs import finished_tasks
-from cvl.train.config import resolve
-from cvl.train.loop import Trainer
 
 # Cosine matrices (rows = images, columns = texts; pair i is column i).
 # Old row 1 mis-retrieves (argmax 0 ≠ 1): Eq. 3 replaces it with the new row → its KL is 0.
@@ -166,14 +170,8 @@ FAST = dict(
 )
 
 
-def _metric(rec, k):
-    """A method metric from a log record (the loop may prefix metrics with `m/`)."""
-    return rec[k] if k in rec else rec[f"m/{k}"]
-
-
 def _train(stream, out, **kw):
-    cfg = resolve(None, {"stream": str(stream), "out": str(out), **{**FAST, **kw}})
-    Trainer(cfg, progress=False).run()
+    train_run(stream, out, FAST, **kw)
 
 
 def test_modx_trains_logs_and_checkpoints(synth_stream, tmp_path):
@@ -188,7 +186,7 @@ def test_modx_trains_logs_and_checkpoints(synth_stream, tmp_path):
         assert {"itc", "modx_kl"} <= set(rec)
         assert rec["loss"] == pytest.approx(rec["itc"] + rec["modx_kl"], rel=1e-5)
         for d in ("i2t", "t2i"):
-            assert 0.0 <= _metric(rec, f"modx_old_correct_{d}") <= 1.0
+            assert 0.0 <= metric(rec, f"modx_old_correct_{d}") <= 1.0
     # first step of a task: new model == old model, so the KL is 0
     assert logs[1][0]["modx_kl"] == pytest.approx(0.0, abs=1e-6)
     assert logs[1][-1]["modx_kl"] > 0
@@ -202,7 +200,7 @@ def test_modx_resume_mid_task_identical_weights(synth_stream, tmp_path, monkeypa
     pos = interrupt_then_resume(train, ModX, tmp_path / "b", monkeypatch)
     assert (pos["task_index"], pos["step"]) == (1, 2)
     assert_same_task_weights(tmp_path / "a", tmp_path / "b")
-    key = lambda r: (r["loss"], r["modx_kl"], _metric(r, "modx_old_correct_i2t"))  # noqa: E731
+    key = lambda r: (r["loss"], r["modx_kl"], metric(r, "modx_old_correct_i2t"))  # noqa: E731
     assert [key(r) for r in task_log(tmp_path / "a", 1)] == [
         key(r) for r in task_log(tmp_path / "b", 1)
     ]
@@ -227,7 +225,7 @@ def test_modx_two_processes_equal_one(synth_stream, tmp_path):
         if a["task_index"] > 0:
             assert abs(a["modx_kl"] - b["modx_kl"]) <= 1e-5, (a, b)
             for k in ("modx_old_correct_i2t", "modx_old_correct_t2i"):
-                assert abs(_metric(a, k) - _metric(b, k)) <= 1e-6, (k, a, b)
+                assert abs(metric(a, k) - metric(b, k)) <= 1e-6, (k, a, b)
 
 
 @pytest.mark.slow

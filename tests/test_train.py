@@ -6,8 +6,8 @@ import json
 
 import pytest
 import torch
-from resume_helpers import assert_same_task_weights, interrupt_then_resume, task_log
 from safetensors.torch import load_file
+from train_helpers import assert_same_task_weights, interrupt_then_resume, task_log
 
 from cvl.cli import main
 from cvl.errors import CvlError

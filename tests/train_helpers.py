@@ -1,4 +1,4 @@
-"""The shared steps of every resume-exactness test: interrupt a run mid-task, resume, compare."""
+"""Shared steps of the training tests: run a config, read its logs, interrupt and resume."""
 
 from __future__ import annotations
 
@@ -11,6 +11,19 @@ import torch
 from safetensors.torch import load_file
 
 from cvl.runs import finished_tasks
+from cvl.train.config import resolve
+from cvl.train.loop import Trainer
+
+
+def train_run(stream: Path, out: Path, defaults: dict, **kw) -> None:
+    """Train `defaults` overridden by `kw` from `stream` into `out` (no progress bars)."""
+    cfg = resolve(None, {"stream": str(stream), "out": str(out), **{**defaults, **kw}})
+    Trainer(cfg, progress=False).run()
+
+
+def metric(rec: dict, k: str) -> float:
+    """A method metric from a log record (the loop prefixes metrics with `m/`)."""
+    return rec[k] if k in rec else rec[f"m/{k}"]
 
 
 def interrupt_then_resume(

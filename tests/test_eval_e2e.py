@@ -220,6 +220,17 @@ def test_compare_runs(evaluated_run, tmp_path, capsys):
     ).is_file()
 
 
+def test_joint_run_has_a_final_merged_row(synth_stream, tmp_path):
+    """One checkpoint after the last task (joint): no R-matrix diagonal, but a final model."""
+    run = make_run(tmp_path / "j", synth_stream, tasks=("t0",), init=False, method="joint")
+    (run / "tasks" / "00-t0").rename(run / "tasks" / "02-t2")
+    rc = main(["eval", "--run", str(run), "--quiet", "--no-plots", "--no-probe", "--no-zeroshot"])
+    assert rc == 0
+    m = json.loads((run / "eval" / "metrics.json").read_text())
+    assert m["rows"] == ["02-t2"] and m["continual"] == {}
+    assert 0.0 <= m["final"]["Rm"] <= 100.0 and m["final"]["TR@1"] is not None
+
+
 def test_zeroshot_folder_from_the_cli(evaluated_run, tmp_path):
     from PIL import Image
 

@@ -683,7 +683,11 @@ def build_metrics(
             ]
             cum_m[k] = C
             sofar[k] = continual.so_far_vs_final(C)
-            final[k] = C[-1][-1]
+    # The final model on the merged test set of every task it has seen (CTP Table 1): also
+    # for runs whose checkpoints do not line up with the tasks (joint: one, after the last).
+    last = rows[-1] if rows else None
+    if last and last["cumulative"]:
+        final = dict(last["cumulative"][max(last["cumulative"], key=int)]["metrics"])
     protocol = {
         "test_set": pairs_set(manifest, "test"),
         "match": (next(iter(results.values()))["protocol"]["match"] if results else opts.match),

@@ -26,12 +26,12 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff format --check cvl tests benchmarks
-	$(BIN)/ruff check cvl tests benchmarks
+	$(BIN)/ruff format --check cvl tests benchmarks recipes
+	$(BIN)/ruff check cvl tests benchmarks recipes
 
 format: $(STAMP)
-	$(BIN)/ruff format cvl tests benchmarks
-	$(BIN)/ruff check --fix cvl tests benchmarks
+	$(BIN)/ruff format cvl tests benchmarks recipes
+	$(BIN)/ruff check --fix cvl tests benchmarks recipes
 
 bench: $(STAMP)
 	for b in benchmarks/bench_*.py; do $(BIN)/python $$b || exit 1; done

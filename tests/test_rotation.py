@@ -303,6 +303,12 @@ def test_run_checkpoint_selection(tmp_path):
         rot.run_checkpoints(run, "0,t0")
     with pytest.raises(CvlError, match="at least two"):
         rot.run_checkpoints(run, "1")
+    # a random initialisation is left out of 'all' (still selectable by name)
+    (run / "run.json").write_text(json.dumps({"config": {"pretrained": None}}))
+    assert [c.label for c in rot.run_checkpoints(run)] == ["0", "1", "2"]
+    assert [c.label for c in rot.run_checkpoints(run, "init,0")] == ["init", "0"]
+    (run / "run.json").write_text(json.dumps({"config": {"pretrained": "/w/rn50.pt"}}))
+    assert [c.label for c in rot.run_checkpoints(run)] == ["init", "0", "1", "2"]
 
 
 # -- CLI end to end --------------------------------------------------------------------------

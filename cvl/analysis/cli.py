@@ -41,7 +41,8 @@ def _positive(ctx: click.Context, param: click.Parameter, value: int | None) -> 
     "--tasks",
     default="all",
     show_default=True,
-    help="Checkpoints: 'all' (init when present + every finished task) or e.g. 'init,0,2' (indices or names).",
+    help="Checkpoints: 'all' (every finished task, after the initial weights when they are "
+    "pretrained) or e.g. 'init,0,2' (indices or names).",
 )
 @click.option(
     "--modality",

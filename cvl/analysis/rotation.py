@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import math
 import os
 from collections.abc import Sequence
@@ -650,7 +651,10 @@ def run_checkpoints(
     """The run's checkpoints in training order: init (when present) then every finished task.
 
     `tasks`: "all" (default) or a list / comma-separated string of task indices or names,
-    and/or "init"; the selection is returned in training order.
+    and/or "init"; the selection is returned in training order. "all" leaves out initial
+    weights that are a random initialisation (run.json: no `pretrained`), whose angles to a
+    trained model say nothing (Mod-X's first checkpoint is a trained CLIP_0); name "init"
+    to include them anyway.
     """
     from cvl.runs import MODEL_FILE, finished_tasks
 
@@ -660,7 +664,7 @@ def run_checkpoints(
         avail.append(Checkpoint("init", "init", None, run / "init" / MODEL_FILE))
     avail += [Checkpoint(str(c.index), c.name, c.index, c.model_path) for c in finished_tasks(run)]
     if tasks is None or tasks == "all" or (not isinstance(tasks, str) and list(tasks) == ["all"]):
-        sel = avail
+        sel = [c for c in avail if c.index is not None or not _random_init(run)]
     else:
         tokens = (
             [t.strip() for t in tasks.split(",")]
@@ -691,6 +695,15 @@ def run_checkpoints(
             f"{len(sel)} ({', '.join(c.label for c in sel) or 'none'})"
         )
     return sel
+
+
+def _random_init(run: Path) -> bool:
+    """True when run.json says the run started from random weights (`pretrained` unset)."""
+    try:
+        cfg = json.loads((run / "run.json").read_text(encoding="utf-8")).get("config", {})
+    except (OSError, ValueError):
+        return False
+    return "pretrained" in cfg and not cfg["pretrained"]
 
 
 def resolve_stream(run: Path, run_json: dict[str, Any], stream: str | os.PathLike | None):

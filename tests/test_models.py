@@ -421,3 +421,24 @@ def test_fusion_image_pretrained_timm_file(tmp_path):
 def test_fusion_base_needs_a_tokenizer():
     with pytest.raises(CvlError, match="tokenizer"):
         build_model("fusion", "base")
+
+
+def test_tiny_fusion_cls_features_differ_across_captions_at_init():
+    """Guards the tiny config's BERT init (std 0.1): at 0.02 the random model's text [CLS]
+    features were nearly identical for different captions (std over a batch ≈ 3e-4) and ITC
+    stalled at ln(batch) in training; here they must differ from the start."""
+    torch.manual_seed(0)
+    m = build_model("fusion", "tiny")
+    m.eval()
+    caps = [
+        f"a {s} {c} {h} at the {p}"
+        for s, c, h, p in [
+            ("small", "red", "circle", "top left"),
+            ("large", "blue", "square", "bottom right"),
+            ("small", "green", "star", "centre"),
+            ("large", "red", "hexagon", "top right"),
+        ]
+    ]
+    with torch.no_grad():
+        w = m.encode_text(m.tokenizer(caps))
+    assert float(w.std(0).mean()) > 3e-3

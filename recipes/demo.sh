@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The embedded default job (`make demo`): synthetic stream -> train -> eval, on a laptop CPU.
 # Usage: recipes/demo.sh [OUT_DIR]   (METHODS="seqft joint modx" to choose the methods)
+# Default: seqft and modx, each evaluated, compared side by side, and their Mod-X rotation
+# analysis (SAM / RAM tables) compared. About 6 minutes on 2 CPU cores.
 set -euo pipefail
 OUT=${1:-demo-out}
 CVL=${CVL:-.venv/bin/cvl}
-METHODS=${METHODS:-"seqft"}
+METHODS=${METHODS:-"seqft modx"}
 mkdir -p "$OUT"
 
 has() { "$CVL" --help | grep -qE "^  $1 "; }
@@ -38,5 +40,8 @@ for M in $METHODS; do
   RUNS+=("$OUT/runs/$M")
 done
 if [ ${#RUNS[@]} -gt 1 ]; then
+  echo "== 4. compare: ${METHODS} =="
   "$CVL" eval --compare "${RUNS[@]}"
+  echo "== 5. Mod-X rotation analysis: ${RUNS[0]##*/} vs ${RUNS[1]##*/} (first task's test set) =="
+  "$CVL" analyze rotation --compare "${RUNS[0]}" "${RUNS[1]}"
 fi

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every method of the papers next to the bounds, on the built-in synthetic stream (CPU-sized).
 # Usage: recipes/synthetic_methods.sh [OUT_DIR] [SEED]      (RUNS="seqft modx" to choose;
-#        variants: modx-mean, incclip-tau0)
+#        variants: modx-mean, incclip-tau0, ctp-fusion-nomoco)
 # Same stream and training budget as `make demo` (5 tasks, 2000 + 4 x 1000 pairs, tiny RN CLIP,
 # 4 epochs per task, batch 64); replay sizes: ER / DHA ring 300 pairs (5 % of the stream),
 # IncCLIP memory 600 (10 %, as in the paper). Ends with `cvl eval --compare` of all runs.
@@ -23,11 +23,14 @@ args_of() {
     dha) echo "--method dha --buffer ring --buffer-size 300" ;;
     ctp) echo "--method ctp" ;;
     incclip) echo "--method incclip --buffer reservoir --buffer-size 600" ;;
-    seqft-fusion) echo "--method seqft --model fusion" ;;
-    ctp-fusion) echo "--method ctp --model fusion" ;;
+    # fusion runs warm up 10 % of each task: without it the fresh AdamW of a new task knocks
+    # the random tiny fusion model back onto its ITC plateau (ln B) and it stops learning
+    seqft-fusion) echo "--method seqft --model fusion --warmup 0.1" ;;
+    ctp-fusion) echo "--method ctp --model fusion --warmup 0.1" ;;
     # variants (not in the default RUNS): what limits a method on this short stream
     modx-mean) echo "--method modx --method-arg reduction=mean" ;;
     incclip-tau0) echo "--method incclip --buffer reservoir --buffer-size 600 --method-arg tau_old=0" ;;
+    ctp-fusion-nomoco) echo "--method ctp --model fusion --warmup 0.1 --method-arg momentum_weight=0" ;;
     *) echo "unknown run '$1'" >&2; exit 2 ;;
   esac
 }

@@ -76,7 +76,7 @@ def main() -> None:
         build_synthetic(
             stream, SynthSpec(tasks=2, per_task=args.batch_size * 8, seed=0), progress=False
         )
-        runs = [("seqft", "clip"), ("seqft", "fusion")]
+        runs = []
         for name in args.methods.split(","):
             if name not in all_methods():
                 results[name] = {"error": "not registered"}
@@ -84,6 +84,7 @@ def main() -> None:
             runs += [
                 (name, model) for model in (("clip", "fusion") if name == "ctp" else ("clip",))
             ]
+        runs = sorted({("seqft", model) for _, model in runs}) + runs
         best: dict[tuple[str, str], float] = {}
         for r in range(args.repeats):
             for name, model in runs:

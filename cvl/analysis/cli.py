@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import click
@@ -120,7 +121,7 @@ def rotation_cmd(
         max_samples=max_samples,
         batch_size=batch_size,
         chunk_elems=max(1, chunk_mb * (1 << 20) // 8),
-        progress=not quiet,
+        progress=not quiet and sys.stderr.isatty(),  # bars only on a terminal, as cvl eval
     )
     if run_dir is not None:
         res = rot.analyze_run(run_dir, **kw)

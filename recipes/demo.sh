@@ -2,7 +2,7 @@
 # The embedded default job (`make demo`): synthetic stream -> train -> eval, on a laptop CPU.
 # Usage: recipes/demo.sh [OUT_DIR]   (METHODS="seqft joint modx" to choose the methods)
 # Default: seqft and modx, each evaluated, compared side by side, and their Mod-X rotation
-# analysis (SAM / RAM tables) compared. About 6 minutes on 2 CPU cores.
+# analysis (SAM / RAM tables) compared. About 5 minutes on 2 CPU cores.
 set -euo pipefail
 OUT=${1:-demo-out}
 CVL=${CVL:-.venv/bin/cvl}

@@ -73,7 +73,7 @@ def two_vs_one(method: str, args: dict, tmp_path) -> tuple[tuple, tuple]:
     out = str(tmp_path / "two.pt")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     mp.spawn(_worker, args=(port, method, args, out), nprocs=2, join=True)
-    return torch.load(out), _step(method, args, slice(0, N))
+    return torch.load(out, weights_only=True), _step(method, args, slice(0, N))
 
 
 def assert_same_gradients(g1: dict, g2: dict, rel: float = 1e-5) -> None:

@@ -93,15 +93,18 @@ def quiet(msg: str) -> None:
 def test_watchdog_kills_a_hanging_child_and_keeps_its_shards(tmp_path, fake):
     cache = DownloadCache(tmp_path / "dl", ImageOptions())
     opts = DownloadOptions(exit_grace=0.5, stall_timeout=30)
-    urls = {"http://h/a.jpg": {"id": "a"}, "http://h/bad.jpg": {"id": "b"}}
+    urls = {"http://127.0.0.1:9/a.jpg": {"id": "a"}, "http://127.0.0.1:9/bad.jpg": {"id": "b"}}
     t0 = time.monotonic()
     recs, stats = cache.fetch(urls, opts, log=quiet, progress=False, command=fake("hang"))
     assert time.monotonic() - t0 < 20
     run = stats.runs[0]
     assert run["watchdog"].startswith("killed: all 1 shard(s) done")
-    assert recs["http://h/a.jpg"].ok and recs["http://h/bad.jpg"].status == "failed_to_download"
-    assert recs["http://h/bad.jpg"].error == "HTTP Error 404: Not Found"
-    tar, off, size = cache.locate(recs["http://h/a.jpg"])
+    assert (
+        recs["http://127.0.0.1:9/a.jpg"].ok
+        and recs["http://127.0.0.1:9/bad.jpg"].status == "failed_to_download"
+    )
+    assert recs["http://127.0.0.1:9/bad.jpg"].error == "HTTP Error 404: Not Found"
+    tar, off, size = cache.locate(recs["http://127.0.0.1:9/a.jpg"])
     with open(tar, "rb") as f:
         f.seek(off)
         assert f.read(size) == jpeg_bytes("fake")
@@ -112,14 +115,14 @@ def test_watchdog_kills_a_hanging_child_and_keeps_its_shards(tmp_path, fake):
     recs2, stats2 = cache.fetch(
         urls, DownloadOptions(retry_failed=False), log=quiet, progress=False, command=fake("crash")
     )
-    assert stats2.runs == [] and stats2.cached == 2 and recs2["http://h/a.jpg"].ok
+    assert stats2.runs == [] and stats2.cached == 2 and recs2["http://127.0.0.1:9/a.jpg"].ok
     # ... and with retries only the failed URL goes to the child (which crashes here)
     with pytest.raises(CvlError, match="something broke badly"):
         cache.fetch(urls, opts, log=quiet, progress=False, command=fake("crash"))
     inp = sorted((tmp_path / "dl" / "inputs").glob("*.parquet"))[-1]
     import pyarrow.parquet as pq
 
-    assert pq.read_table(inp).column("url").to_pylist() == ["http://h/bad.jpg"]
+    assert pq.read_table(inp).column("url").to_pylist() == ["http://127.0.0.1:9/bad.jpg"]
     assert pq.read_table(inp).column("id").to_pylist() == ["b"]
 
 
@@ -127,10 +130,10 @@ def test_watchdog_kills_a_stalled_child(tmp_path, fake):
     cache = DownloadCache(tmp_path / "dl", ImageOptions())
     opts = DownloadOptions(exit_grace=0.5, stall_timeout=1.0)
     recs, stats = cache.fetch(
-        {"http://h/a.jpg": {}}, opts, log=quiet, progress=False, command=fake("stall")
+        {"http://127.0.0.1:9/a.jpg": {}}, opts, log=quiet, progress=False, command=fake("stall")
     )
     assert stats.runs[0]["watchdog"] == "killed: no progress for 1s"
-    assert recs["http://h/a.jpg"].status == "not_downloaded"
+    assert recs["http://127.0.0.1:9/a.jpg"].status == "not_downloaded"
 
 
 def test_cache_refuses_other_image_options(tmp_path):
@@ -150,23 +153,25 @@ def test_options_validation():
 
 
 def _rows(n: int, **kw) -> list[Row]:
-    return [Row(id=f"r{i}", caption=f"c{i}", url=f"http://h/{i}.jpg", **kw) for i in range(n)]
+    return [
+        Row(id=f"r{i}", caption=f"c{i}", url=f"http://127.0.0.1:9/{i}.jpg", **kw) for i in range(n)
+    ]
 
 
 def test_validate_rows_reasons(tmp_path):
     rep = BuildReport()
     drop = Dropper(rep)
     rows = [
-        Row(id="ok", caption="fine", url="http://h/1.jpg"),
-        Row(id="../x", caption="c", url="http://h/2.jpg"),
-        Row(id="a/b", caption="c", url="http://h/3.jpg"),
-        Row(id="", caption="c", url="http://h/4.jpg"),
-        Row(id="nocap", caption="  ", url="http://h/5.jpg"),
+        Row(id="ok", caption="fine", url="http://127.0.0.1:9/1.jpg"),
+        Row(id="../x", caption="c", url="http://127.0.0.1:9/2.jpg"),
+        Row(id="a/b", caption="c", url="http://127.0.0.1:9/3.jpg"),
+        Row(id="", caption="c", url="http://127.0.0.1:9/4.jpg"),
+        Row(id="nocap", caption="  ", url="http://127.0.0.1:9/5.jpg"),
         Row(id="noimg", caption="c"),
         Row(id="ftp", caption="c", url="ftp://h/6.jpg"),
-        Row(id="bad", caption="caf\udce9", url="http://h/7.jpg"),
-        Row(id="ok", caption="again", url="http://h/8.jpg"),
-        Row(id="ok", caption="other split", url="http://h/9.jpg", split="test"),
+        Row(id="bad", caption="caf\udce9", url="http://127.0.0.1:9/7.jpg"),
+        Row(id="ok", caption="again", url="http://127.0.0.1:9/8.jpg"),
+        Row(id="ok", caption="other split", url="http://127.0.0.1:9/9.jpg", split="test"),
     ]
     kept = validate_rows(rows, drop)
     assert [r.id for r in kept] == ["ok", "ok"]
@@ -181,10 +186,12 @@ def test_validate_rows_reasons(tmp_path):
     }
     assert len(drop.rows) == 8
     # text that was not UTF-8 is written as U+FFFD, not a crash
-    drop("odd", Row(id="z\udcff", caption="c", url="http://h/\udce9.jpg"), detail="d\udcff")
+    drop(
+        "odd", Row(id="z\udcff", caption="c", url="http://127.0.0.1:9/\udce9.jpg"), detail="d\udcff"
+    )
     rep.save(tmp_path)
     assert "z\ufffd: d\ufffd" in (tmp_path / "build_report.json").read_text(encoding="utf-8")
-    assert drop.rows[-1]["src"] == "http://h/\ufffd.jpg"
+    assert drop.rows[-1]["src"] == "http://127.0.0.1:9/\ufffd.jpg"
     json.dumps(drop.rows, ensure_ascii=False).encode("utf-8")
 
 
@@ -214,9 +221,9 @@ def test_instance_split_is_seeded_equal_and_held_out():
 def test_column_split_order_limits_and_held_out():
     rep = BuildReport()
     rows = _rows(6, task="b") + [
-        Row(id=f"x{i}", caption="c", url="http://h/x", task="a") for i in range(3)
+        Row(id=f"x{i}", caption="c", url="http://127.0.0.1:9/x", task="a") for i in range(3)
     ]
-    rows.append(Row(id="z", caption="c", url="http://h/z", task="zzz"))
+    rows.append(Row(id="z", caption="c", url="http://127.0.0.1:9/z", task="zzz"))
     rule = ColumnSplit("test", tasks=["a", "b"], limit=2, test=1, seed=0)
     out = rule.assign(rows, Dropper(rep))
     assert rule.task_names() == ["a", "b"]

@@ -316,7 +316,7 @@ def test_table_local_paths_parquet_jsonl_split_col(tmp_path, image_server, prefe
 
 def test_table_errors(tmp_path):
     p = tmp_path / "x.csv"
-    p.write_text("a,b\nhttp://x/1.jpg,cap\n")
+    p.write_text("a,b\nhttp://127.0.0.1:9/1.jpg,cap\n")
     base = ["table", "--input", str(p), "--out", str(tmp_path / "o"), "--quiet"]
     assert run(*base, "--url-col", "url", "--caption-col", "b") == 2  # no such column
     assert (

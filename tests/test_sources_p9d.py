@@ -245,7 +245,11 @@ def test_p9d_errors(tmp_path):
     # nothing usable left: a clear error, no stream folder
     (tmp_path / "train.json").write_text(
         json.dumps(
-            {"玩具": {"1": {"title": "a", "cate_name": "b", "image_link": "http://x/1.jpg"}}}
+            {
+                "玩具": {
+                    "1": {"title": "a", "cate_name": "b", "image_link": "http://127.0.0.1:9/1.jpg"}
+                }
+            }
         ),
         encoding="utf-8",
     )

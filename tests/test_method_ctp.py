@@ -174,12 +174,9 @@ def test_momentum_contrast_hand_computed():
     assert abs(momentum_contrast(v, w, v_m, w_m, q_v, q_w, temp=0.07).item() - expected) > 0.1
 
 
-def test_loss_enqueues_momentum_features_after_using_the_old_queues():
-    from cvl.models import build_model
-
-    torch.manual_seed(0)
-    model = build_model("clip", "tiny")
-    ctx = SimpleNamespace(
+def _first_task_ctx(model):
+    """A stand-in TaskContext on the first task (no previous model), CPU, fixed generator."""
+    return SimpleNamespace(
         model=model,
         accelerator=SimpleNamespace(is_main_process=False),
         config=SimpleNamespace(seed=0),
@@ -188,6 +185,14 @@ def test_loss_enqueues_momentum_features_after_using_the_old_queues():
         previous_model=lambda: None,
         first_task=True,
     )
+
+
+def test_loss_enqueues_momentum_features_after_using_the_old_queues():
+    from cvl.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("clip", "tiny")
+    ctx = _first_task_ctx(model)
     meth = CTP({"queue_size": 6})
     meth.setup(ctx)
     meth.before_task(ctx)
@@ -327,15 +332,7 @@ def test_mlm_distillation_uses_the_same_masked_ids(monkeypatch, temp):
     with torch.no_grad():  # random-init MLM logits are near-uniform: sharpen them (the
         # decoder is tied to the word embeddings, which scale too: still a valid model)
         model.text_encoder.cls.predictions.decoder.weight.mul_(20.0)
-    ctx = SimpleNamespace(
-        model=model,
-        accelerator=SimpleNamespace(is_main_process=False),
-        config=SimpleNamespace(seed=0),
-        device=torch.device("cpu"),
-        generator=torch.Generator().manual_seed(3),
-        previous_model=lambda: None,
-        first_task=True,
-    )
+    ctx = _first_task_ctx(model)
     meth = CTP({"queue_size": 8, "distill_temp": temp})
     meth.setup(ctx)
     meth.before_task(ctx)

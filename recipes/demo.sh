@@ -25,7 +25,7 @@ t_start=$(date +%s)
 step() { echo; echo "== [$(( $(date +%s) - t_start )) s] $* =="; }
 
 STREAM="$OUT/stream"
-step "1. build the synthetic stream (5 tasks, neighbouring tasks share 2 shapes and a style) + pretraining set"
+step "1. build the synthetic stream (5 tasks; neighbouring tasks share 3 of 4 shapes and a style) + pretraining set"
 if [ -f "$STREAM/stream.json" ]; then
   echo "reusing $STREAM"
 else

@@ -104,3 +104,11 @@ def test_overlap_stream_draws_both_styles_and_pretrain_stream_covers_all(tmp_pat
     cats = {pre.read_raw(i)[2]["category"] for i in range(len(pre))}
     assert cats & set(m.tasks["t0"].categories) and cats - set(m.tasks["t0"].categories)
     assert pm.eval_sets["test"].tasks["pretrain"].count == 50
+
+
+def test_overlap_styles_are_never_background_words():
+    from cvl.streams.synthetic import BACKGROUNDS, task_domains
+
+    doms = task_domains(SynthSpec(tasks=7, shapes_per_task=4, seed=0))  # default overlap: 3
+    assert doms[1]["shapes"][:3] == doms[0]["shapes"][1:]
+    assert not {s for d in doms for s in d["styles"]} & set(BACKGROUNDS)

@@ -99,11 +99,12 @@ def _non_negative(ctx: click.Context, param: click.Parameter, value: int | None)
 )
 @click.option(
     "--overlap",
-    default=2,
-    show_default=True,
+    type=int,
+    default=None,
     callback=_non_negative,
-    help="Shapes (and the style) each task keeps from the previous task; 0 = the 'disjoint' "
-    "stream (no shape or style shared between tasks).",
+    help="Shapes each task keeps from the previous task (it also draws half its pictures in "
+    "the previous task's style) [shapes per task - 1]; 0 = the 'disjoint' stream (no shape or "
+    "style shared between tasks).",
 )
 @click.option(
     "--pretrain",
@@ -128,7 +129,7 @@ def synthetic_cmd(
     Runs offline in seconds; the embedded default of `make demo` and the tests. Tasks share
     colours, sizes, positions and background patterns, and differ in shapes (the category
     label used by mAP), drawing style and background tint, so sequential fine-tuning forgets.
-    By default neighbouring tasks also share two shapes and a style (--overlap 2), as COCO and
+    By default neighbouring tasks also share most shapes and a style (--overlap), as COCO and
     Flickr30K share vocabulary; --overlap 0 gives the disjoint stream.
 
     \b

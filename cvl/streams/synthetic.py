@@ -7,11 +7,13 @@ category label (for mAP) is the shape. Deterministic: same arguments -> byte-ide
 
 Two layouts:
 
-- ``overlap = K > 0`` (the default benchmark, K = 2): neighbouring tasks share vocabulary, as
-  COCO and Flickr30K or two P9D industries do. Task t keeps the last K shapes of task t-1 and
-  adds new ones, and draws its style from {style of task t-1, its own style}; so a model
-  trained on task t-1 already understands much of task t, while the shapes and styles of task
-  0 leave the stream after task 1 and sequential fine-tuning forgets them.
+- ``overlap = K > 0`` (the default benchmark, K = shapes per task - 1 = 3): neighbouring tasks
+  share vocabulary, as COCO and Flickr30K or two P9D industries do. Task t keeps the last K
+  shapes of task t-1 and adds new ones, and draws its style from {style of task t-1, its own
+  style}; so a model trained on task t-1 already understands much of task t, while task 0's
+  style leaves the stream after task 1 and its shapes one by one, and sequential fine-tuning
+  forgets them. Styles here are never also background words (no "dotted" object on a
+  "dotted" background: one word, one attribute).
 - ``overlap = 0`` ("disjoint", the earlier stream): every task has shapes and a style never seen
   in another task. The hard case for old-vs-new distillation.
 
@@ -169,6 +171,9 @@ STYLES = (
     "banded",
     "speckled",
 )
+# Styles of the overlap layout: none of them is also a background word ("striped", "dotted"),
+# so a caption never uses one word for two attributes of the picture.
+CHAINED_STYLES = tuple(s for s in STYLES if s not in BACKGROUNDS)
 TINTS = [
     (70, 60, 60),
     (55, 70, 60),
@@ -195,7 +200,7 @@ class SynthSpec:
     gallery_per_task: int | None = None
     image_size: int = 32
     shapes_per_task: int | None = None
-    overlap: int = 2  # shapes (and the style) task t keeps from task t-1; 0 = disjoint tasks
+    overlap: int | None = None  # shapes task t keeps from t-1 [shapes per task - 1]; 0 = disjoint
     pretrain: int = 0  # pairs of the broad pretraining stream written to OUT/pretrain (0 = none)
     seed: int = 0
 
@@ -212,6 +217,9 @@ class SynthSpec:
         v = getattr(self, f"{split}_per_task")
         return defaults[split] if v is None else v
 
+    def n_overlap(self) -> int:
+        return self.n_shapes() - 1 if self.overlap is None else self.overlap
+
     def n_shapes(self) -> int:
         if self.shapes_per_task:
             return self.shapes_per_task
@@ -224,7 +232,7 @@ def task_domains(spec: SynthSpec) -> list[dict]:
     With overlap K, task t's shapes are the last K of task t-1's plus k-K new ones, and its
     styles are (task t-1's own style, its own style); with K = 0 tasks share no shape or style.
     """
-    k, ov = spec.n_shapes(), spec.overlap
+    k, ov = spec.n_shapes(), spec.n_overlap()
     if not 0 <= ov < k:
         raise CvlError(f"--overlap must be in [0, {k - 1}] with {k} shapes per task (got {ov})")
     need = k + (spec.tasks - 1) * (k - ov)
@@ -243,7 +251,7 @@ def task_domains(spec: SynthSpec) -> list[dict]:
         else:
             new0 = k + (t - 1) * (k - ov)
             shapes = doms[-1]["shapes"][-ov:] + perm[new0 : new0 + k - ov]
-        own = STYLES[t % len(STYLES)]
+        own = STYLES[t % len(STYLES)] if ov == 0 else CHAINED_STYLES[t % len(CHAINED_STYLES)]
         styles = [own] if (t == 0 or ov == 0) else [doms[-1]["style"], own]
         doms.append(
             {
@@ -419,8 +427,8 @@ def build_synthetic(
     report = BuildReport()
     args = {k: getattr(spec, k) for k in spec.__dataclass_fields__}
     layout = (
-        f"neighbouring tasks share {spec.overlap} shapes and a style"
-        if spec.overlap
+        f"neighbouring tasks share {spec.n_overlap()} shapes and a style"
+        if spec.n_overlap()
         else "disjoint shapes and style per task"
     )
     with atomic_dir(out, overwrite=overwrite) as tmp:

@@ -6,7 +6,7 @@
 - `write_iapr`: ``images/NN/ID.jpg`` + ``annotations_complete_eng/NN/ID.eng`` in ISO-8859-1.
 
 Each image has its own colour (`colour_of`), so a test can check a sample's pixels came from
-the right file. `data_root` builds them all once per session (what the protocol presets read).
+the right file. `write_data_root` writes them all in the layout the protocol presets read.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import json
 import zlib
 from pathlib import Path
 
-import pytest
 from PIL import Image
 
 SIZE = (40, 32)
@@ -147,12 +146,6 @@ def write_data_root(root: Path) -> Path:
     write_ec(root / "ec", *EC_N)
     write_iapr(root / "iapr" / "iaprtc12", IAPR_N)
     return root
-
-
-@pytest.fixture(scope="session")
-def data_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Every archive dataset in the protocol layout, written once per session."""
-    return write_data_root(tmp_path_factory.mktemp("rawdata"))
 
 
 FAST = ["--image-size", "32", "--quiet"]

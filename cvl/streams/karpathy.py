@@ -50,17 +50,17 @@ from cvl.streams.writer import BuildReport
 DATASETS = {
     "coco": (
         "dataset_coco.json",
-        "MS-COCO 2014 train2014/ + val2014/ (cocodataset.org) and Karpathy's splits "
-        "(caption_datasets.zip, cs.stanford.edu/people/karpathy/deepimagesent)",
+        "train2014/ and val2014/ of MS-COCO 2014 (cocodataset.org); the JSON is in\n"
+        "Karpathy's caption_datasets.zip (cs.stanford.edu/people/karpathy/deepimagesent)",
     ),
     "flickr30k": (
         "dataset_flickr30k.json",
-        "flickr30k-images/ (shannon.cs.illinois.edu/DenotationGraph, by request) and "
-        "Karpathy's splits (caption_datasets.zip)",
+        "the flickr30k-images (shannon.cs.illinois.edu/DenotationGraph, by request);\n"
+        "the JSON is in Karpathy's caption_datasets.zip",
     ),
     "rsicd": (
         "dataset_rsicd.json",
-        "RSICD_images/ and dataset_rsicd.json (github.com/201528014227051/RSICD_optimal)",
+        "RSICD_images/; both from github.com/201528014227051/RSICD_optimal",
     ),
 }
 SPLIT_MAP = {"train": "train", "val": "val", "test": "test", "restval": "restval"}
@@ -349,7 +349,7 @@ def _command(source: str, example: str) -> click.Command:
     doc = (
         f"{source.upper() if source != 'flickr30k' else 'Flickr30K'} from Karpathy's "
         f"{json_name} + its images: one task, val and test sets with all captions.\n\n"
-        f"\b\nExpects --json {json_name} and --images, the folder holding\n{where}.\n"
+        f"\b\nExpects --json {json_name} and --images, the folder with\n{where}.\n"
         f"See datasets/{source}.md.\n  {example}"
     )
 

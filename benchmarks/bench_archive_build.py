@@ -12,8 +12,8 @@ they compress like photos) as a Karpathy dataset and as MUGE TSVs, then times
 from __future__ import annotations
 
 import argparse
-import contextlib
 import base64
+import contextlib
 import io
 import json
 import sys

@@ -199,6 +199,21 @@ def test_karpathy_bad_input(tmp_path):
     }
 
 
+def test_karpathy_max_captions(tmp_path):
+    jp = write_karpathy(tmp_path / "k", "coco", {"train": 2, "test": 1})
+    d = json.loads(jp.read_text())
+    d["images"][2]["sentences"] += [{"raw": "a sixth caption"}, {"raw": "a seventh caption"}]
+    jp.write_text(json.dumps(d))
+    base = ["build-stream", "coco", "--json", str(jp), "--images", str(tmp_path / "k"), *FAST]
+    assert main([*base, "--out", str(tmp_path / "a")]) == 0
+    (s,) = samples(load_manifest(tmp_path / "a"), "test", "coco")
+    assert s["meta"]["captions"] == captions_of(d["images"][2]["filename"])  # the first 5
+    assert report(tmp_path / "a")["captions_beyond_max"] == 2
+    assert main([*base, "--out", str(tmp_path / "b"), "--max-captions", "0"]) == 0
+    (s,) = samples(load_manifest(tmp_path / "b"), "test", "coco")
+    assert len(s["meta"]["captions"]) == 7
+
+
 def test_karpathy_without_split_field_is_one_line_error(tmp_path, capsys):
     jp = write_karpathy(tmp_path / "k", "coco", {"train": 2})
     d = json.loads(jp.read_text())

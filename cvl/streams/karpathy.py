@@ -33,7 +33,7 @@ import numpy as np
 
 from cvl.errors import CvlError
 from cvl.streams.manifest import Manifest
-from cvl.streams.options import archive_options, build_options, finish, positive
+from cvl.streams.options import archive_options, build_options, finish, non_negative, positive
 from cvl.streams.pipeline import (
     BuildOptions,
     ColumnSplit,
@@ -83,6 +83,7 @@ def read_karpathy(
     *,
     restval: str = "train",
     val_to_train: bool = False,
+    max_captions: int | None = 5,
 ) -> list[Row]:
     """Rows (one per image, all captions) of a Karpathy JSON; bad entries dropped with reasons."""
     path = require_file(json_path, "--json")
@@ -100,7 +101,7 @@ def read_karpathy(
         )
     rows: list[Row] = []
     seen: set[str] = set()
-    empty_caps = 0
+    empty_caps = extra_caps = 0
     for i, im in enumerate(ims):
         report.read += 1
         where = f"{path.name}: images[{i}]"
@@ -150,6 +151,9 @@ def read_karpathy(
         if not caps:
             drop("missing_caption", where=where, detail=rid)
             continue
+        if max_captions and len(caps) > max_captions:
+            extra_caps += len(caps) - max_captions
+            caps = caps[:max_captions]
         if any(has_surrogates(c) for c in caps):
             drop("non_utf8", where=where, detail=rid)
             continue
@@ -165,6 +169,7 @@ def read_karpathy(
             Row(id=rid, caption=caps[0], path=str(img), split=split, captions=caps, meta=meta)
         )
     report.notes["empty_captions_dropped"] = empty_caps
+    report.notes["captions_beyond_max"] = extra_caps
     return rows
 
 
@@ -237,6 +242,7 @@ def build_karpathy(
     *,
     restval: str = "train",
     val_to_train: bool = False,
+    max_captions: int | None = 5,
     max_train: int | None = None,
     rest_as_val: bool = False,
     max_val: int | None = None,
@@ -254,7 +260,14 @@ def build_karpathy(
     drop = Dropper(report)
     opts.log(f"{source}: reading {json_path}")
     rows = read_karpathy(
-        source, json_path, images, drop, report, restval=restval, val_to_train=val_to_train
+        source,
+        json_path,
+        images,
+        drop,
+        report,
+        restval=restval,
+        val_to_train=val_to_train,
+        max_captions=max_captions,
     )
     rows = select_rows(
         rows,
@@ -273,6 +286,7 @@ def build_karpathy(
         "images": str(Path(images).absolute()),
         "restval": restval,
         "val_to_train": val_to_train,
+        "max_captions": max_captions,
         "max_train": max_train,
         "rest_as_val": rest_as_val,
         "max_val": max_val,
@@ -306,6 +320,14 @@ def karpathy_options(f):  # noqa: ANN001, ANN202
             "--val-to-train",
             is_flag=True,
             help="Karpathy's val images train too (DKR's RSICD: 9,828 train / 1,093 test).",
+        ),
+        click.option(
+            "--max-captions",
+            default=5,
+            show_default=True,
+            callback=non_negative,
+            help="Keep the first N captions of an image (COCO has 5-7; the 5k test set of the "
+            "papers has 25,000 captions); 0 keeps all.",
         ),
         click.option(
             "--max-train",
@@ -375,6 +397,7 @@ def _command(source: str, example: str) -> click.Command:
             for k in (
                 "restval",
                 "val_to_train",
+                "max_captions",
                 "max_train",
                 "rest_as_val",
                 "max_val",

@@ -91,3 +91,12 @@ def load_task_model(run: str | os.PathLike, task: str | int | None = None):  # -
     load_weights(model, ck.model_path)
     model.eval()
     return model, ck
+
+
+def init_weights_file(path: str | os.PathLike) -> Path:
+    """The weights `--init-run` starts from: a run's last finished task, or a task folder."""
+    p = Path(path)
+    if (p / MODEL_FILE).is_file() and not (p / RUN_JSON).is_file():
+        return p / MODEL_FILE  # a task folder (RUN/tasks/NN-name)
+    load_run(p)  # clear error if it is not a run folder
+    return find_task(p).model_path

@@ -1,7 +1,7 @@
 """Mean ± sd over seeds of the headline numbers of evaluated runs (a Markdown table).
 
 Reads ROOT/s<seed>/<run>/eval/metrics.json (as `recipes/synthetic_methods.sh` lays them out,
-after `cvl eval`) and prints, per run name: the number of seeds, the average over tasks of the
+after `cvl eval`) or ROOT/s<seed>/runs/<run>/eval/metrics.json (`recipes/demo.sh`) and prints, per run name: the number of seeds, the average over tasks of the
 final model's Rm and TR@1 (last row of the R matrix), forgetting (mean over tasks 0..T-2 of
 max earlier R - final R), IncCLIP's BWT, the final model's Rm on the merged test set of all
 tasks (CTP protocol) and its Rm on task 0.
@@ -58,7 +58,8 @@ def main(root: str, runs: str) -> None:
         rows = [
             headline(json.loads(f.read_text()))
             for s in seeds
-            if (f := s / run / "eval" / "metrics.json").is_file()
+            for f in (s / run / "eval" / "metrics.json", s / "runs" / run / "eval" / "metrics.json")
+            if f.is_file()
         ]
         if not rows:
             continue

@@ -12,7 +12,9 @@ torch.set_num_threads(int(os.environ.get("CVL_TEST_THREADS", "1")))
 
 @pytest.fixture(scope="session")
 def synth_stream(tmp_path_factory):
-    """A 3-task synthetic stream (96 train pairs per task, 24 test, 12 val/query, 24 gallery)."""
+    """A 3-task synthetic stream (96 train pairs per task, 24 test, 12 val/query, 24 gallery).
+
+    The disjoint layout (overlap 0): no shape or style shared between tasks."""
     from cvl.streams.synthetic import SynthSpec, build_synthetic
 
     out = tmp_path_factory.mktemp("streams") / "synth"
@@ -23,6 +25,7 @@ def synth_stream(tmp_path_factory):
         val_per_task=12,
         query_per_task=12,
         gallery_per_task=24,
+        overlap=0,
         seed=0,
     )
     build_synthetic(out, spec, progress=False)

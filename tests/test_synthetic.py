@@ -18,6 +18,7 @@ SPEC = SynthSpec(
     val_per_task=0,
     query_per_task=3,
     gallery_per_task=5,
+    overlap=0,
     seed=1,
 )
 
@@ -63,3 +64,51 @@ def test_refuses_existing_folder_and_bad_counts(tmp_path):
         build_synthetic(tmp_path / "z", SynthSpec(tasks=0), progress=False)
     assert not (tmp_path / "z").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["s"]  # no temp folders left behind
+
+
+def test_overlap_chains_shapes_and_styles_between_neighbours():
+    from cvl.streams.synthetic import task_domains
+
+    doms = task_domains(SynthSpec(tasks=4, shapes_per_task=4, overlap=2, seed=3))
+    for prev, cur in zip(doms, doms[1:]):
+        assert cur["shapes"][:2] == prev["shapes"][-2:]  # kept from the previous task
+        assert not set(cur["shapes"][2:]) & {
+            s for d in doms[: doms.index(cur)] for s in d["shapes"]
+        }
+        assert cur["styles"] == [prev["style"], cur["style"]] and cur["style"] != prev["style"]
+    assert not set(doms[0]["shapes"]) & set(doms[2]["shapes"])  # task 0's shapes leave
+    assert doms[0]["styles"] == [doms[0]["style"]]
+    disjoint = task_domains(SynthSpec(tasks=4, shapes_per_task=4, overlap=0, seed=3))
+    assert all(d["styles"] == [d["style"]] for d in disjoint)
+    assert len({s for d in disjoint for s in d["shapes"]}) == 16
+    with pytest.raises(CvlError, match="overlap"):
+        task_domains(SynthSpec(tasks=2, shapes_per_task=3, overlap=3))
+
+
+def test_overlap_stream_draws_both_styles_and_pretrain_stream_covers_all(tmp_path):
+    spec = SynthSpec(**{**SPEC.__dict__, "overlap": 1, "pretrain": 40, "shapes_per_task": 2})
+    m = build_synthetic(tmp_path / "s", spec, progress=False)
+    t1 = PairDataset.from_shards(m.train_shards("t1"))
+    caps = [t1.read_raw(i)[1] for i in range(len(t1))]
+    assert all(any(f" {st} " in c for st in m.tasks["t1"].extra["styles"]) for c in caps)
+    assert {st for st in m.tasks["t1"].extra["styles"] if any(f" {st} " in c for c in caps)} == set(
+        m.tasks["t1"].extra["styles"]
+    )  # both styles occur
+    assert m.source_args["pretrain_stream"] == "pretrain"
+    pm = load_manifest(tmp_path / "s" / "pretrain")
+    assert pm.task_order == ["pretrain"] and pm.tasks["pretrain"].train.count == 40
+    assert set(pm.tasks["pretrain"].categories) == {
+        c for t in m.task_order for c in m.tasks[t].categories
+    }
+    pre = PairDataset.from_shards(pm.train_shards("pretrain"))
+    cats = {pre.read_raw(i)[2]["category"] for i in range(len(pre))}
+    assert cats & set(m.tasks["t0"].categories) and cats - set(m.tasks["t0"].categories)
+    assert pm.eval_sets["test"].tasks["pretrain"].count == 50
+
+
+def test_overlap_styles_are_never_background_words():
+    from cvl.streams.synthetic import BACKGROUNDS, task_domains
+
+    doms = task_domains(SynthSpec(tasks=7, shapes_per_task=4, seed=0))  # default overlap: 3
+    assert doms[1]["shapes"][:3] == doms[0]["shapes"][1:]
+    assert not {s for d in doms for s in d["styles"]} & set(BACKGROUNDS)

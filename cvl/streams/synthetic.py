@@ -1,12 +1,26 @@
 """The built-in synthetic stream: procedurally drawn shapes with compositional captions.
 
-Each task is a "domain" like a P9D industry: its own shapes (never seen in other tasks) and its
-own drawing style and background tint, while colours, sizes, positions and background patterns
-are shared by all tasks. So a model trained on task 0 still understands part of every later
-caption (as COCO and Flickr30K, or two P9D industries, share vocabulary), and sequential
-fine-tuning forgets task 0's shapes. Captions read
-"a large red outlined hexagon at the top left on a striped background"; the category label
-(for mAP) is the shape. Deterministic: same arguments -> byte-identical shards.
+Each task is a "domain" like a P9D industry: its own shapes, drawing style and background
+tint, while colours, sizes, positions and background patterns are shared by all tasks.
+Captions read "a large red outlined hexagon at the top left on a striped background"; the
+category label (for mAP) is the shape. Deterministic: same arguments -> byte-identical shards.
+
+Two layouts:
+
+- ``overlap = K > 0`` (the default benchmark, K = shapes per task - 1 = 3): neighbouring tasks
+  share vocabulary, as COCO and Flickr30K or two P9D industries do. Task t keeps the last K
+  shapes of task t-1 and adds new ones, and draws its style from {style of task t-1, its own
+  style}; so a model trained on task t-1 already understands much of task t, while task 0's
+  style leaves the stream after task 1 and its shapes one by one, and sequential fine-tuning
+  forgets them. Styles here are never also background words (no "dotted" object on a
+  "dotted" background: one word, one attribute).
+- ``overlap = 0`` ("disjoint", the earlier stream): every task has shapes and a style never seen
+  in another task. The hard case for old-vs-new distillation.
+
+``pretrain = N`` also writes a broad pretraining set as its own one-task stream in
+``OUT/pretrain/`` (N pairs, each drawn from a uniformly chosen domain, so it covers the whole
+vocabulary at low density): train CLIP_0 on it once and start every method from it with
+``cvl train --init-run`` (the papers' regime: every paper starts from a trained model).
 """
 
 from __future__ import annotations
@@ -159,6 +173,9 @@ STYLES = (
     "banded",
     "speckled",
 )
+# Styles of the overlap layout: none of them is also a background word ("striped", "dotted"),
+# so a caption never uses one word for two attributes of the picture.
+CHAINED_STYLES = tuple(s for s in STYLES if s not in BACKGROUNDS)
 TINTS = [
     (70, 60, 60),
     (55, 70, 60),
@@ -185,6 +202,8 @@ class SynthSpec:
     gallery_per_task: int | None = None
     image_size: int = 32
     shapes_per_task: int | None = None
+    overlap: int | None = None  # shapes task t keeps from t-1 [shapes per task - 1]; 0 = disjoint
+    pretrain: int = 0  # pairs of the broad pretraining stream written to OUT/pretrain (0 = none)
     seed: int = 0
 
     def count(self, split: str, task: int) -> int:
@@ -200,6 +219,9 @@ class SynthSpec:
         v = getattr(self, f"{split}_per_task")
         return defaults[split] if v is None else v
 
+    def n_overlap(self) -> int:
+        return self.n_shapes() - 1 if self.overlap is None else self.overlap
+
     def n_shapes(self) -> int:
         if self.shapes_per_task:
             return self.shapes_per_task
@@ -207,22 +229,38 @@ class SynthSpec:
 
 
 def task_domains(spec: SynthSpec) -> list[dict]:
-    """Which shapes, style and tint each task uses (disjoint shapes across tasks)."""
-    k = spec.n_shapes()
-    if spec.tasks * k > len(SHAPES):
+    """Which shapes, styles and tint each task uses.
+
+    With overlap K, task t's shapes are the last K of task t-1's plus k-K new ones, and its
+    styles are (task t-1's own style, its own style); with K = 0 tasks share no shape or style.
+    """
+    k, ov = spec.n_shapes(), spec.n_overlap()
+    if not 0 <= ov < k:
+        raise CvlError(f"--overlap must be in [0, {k - 1}] with {k} shapes per task (got {ov})")
+    need = k + (spec.tasks - 1) * (k - ov)
+    if need > len(SHAPES):
         raise CvlError(
-            f"--tasks {spec.tasks} with {k} shapes each needs {spec.tasks * k} shapes; there are {len(SHAPES)}"
+            f"--tasks {spec.tasks} with {k} shapes each (overlap {ov}) needs {need} shapes; "
+            f"there are {len(SHAPES)}"
         )
     names = list(SHAPES)
     rng = np.random.default_rng([spec.seed, 7])
     perm = [names[i] for i in rng.permutation(len(names))]
-    doms = []
+    doms: list[dict] = []
     for t in range(spec.tasks):
+        if t == 0 or ov == 0:
+            shapes = perm[t * k : (t + 1) * k] if ov == 0 else perm[:k]
+        else:
+            new0 = k + (t - 1) * (k - ov)
+            shapes = doms[-1]["shapes"][-ov:] + perm[new0 : new0 + k - ov]
+        own = STYLES[t % len(STYLES)] if ov == 0 else CHAINED_STYLES[t % len(CHAINED_STYLES)]
+        styles = [own] if (t == 0 or ov == 0) else [doms[-1]["style"], own]
         doms.append(
             {
                 "name": f"t{t}",
-                "shapes": perm[t * k : (t + 1) * k],
-                "style": STYLES[t % len(STYLES)],
+                "shapes": shapes,
+                "style": own,
+                "styles": styles,
                 "tint": TINTS[t % len(TINTS)],
             }
         )
@@ -284,6 +322,9 @@ def draw_sample(
         for y in range(step // 2, S, step):
             for x in range(step // 2, S, step):
                 d.ellipse([x - r, y - r, x + r, y + r], fill=light)
+    # a second style costs one more draw, only where a task has two (disjoint streams unchanged)
+    styles = dom.get("styles", [dom["style"]])
+    style = styles[rng.integers(len(styles))] if len(styles) > 1 else styles[0]
     cx, cy = POSITIONS[pos]
     cx += rng.uniform(-0.04, 0.04)
     cy += rng.uniform(-0.04, 0.04)
@@ -295,7 +336,6 @@ def draw_sample(
     ]
     mask = Image.new("L", (S, S), 0)
     md = ImageDraw.Draw(mask)
-    style = dom["style"]
     if style in ("outlined", "thick-outlined"):
         width = max(2, int(rad * (0.22 if style == "outlined" else 0.4)))
         md.polygon(poly, outline=255, width=width)
@@ -315,6 +355,51 @@ SPLITS = ("train", "test", "val", "query", "gallery")
 SPLIT_KIND = {"test": "pairs", "val": "pairs", "query": "query", "gallery": "gallery"}
 
 
+def _write_tasks(
+    tmp: Path,
+    spec: SynthSpec,
+    tasks_def: list[tuple[str, list[dict], dict[str, int]]],
+    report: BuildReport,
+    bar: tqdm,
+) -> tuple[dict[str, TaskInfo], dict[str, EvalSet]]:
+    """Draw and write every split of every task; a task samples from one or several domains."""
+    tasks: dict[str, TaskInfo] = {}
+    evals: dict[str, dict] = {sp: {} for sp in SPLITS[1:]}
+    for t, (name, doms, counts) in enumerate(tasks_def):
+        for si, split in enumerate(SPLITS):
+            rng = np.random.default_rng(
+                [spec.seed, t, si] if len(doms) == 1 else [spec.seed, 99, si]
+            )
+            rel = f"train/{name}" if split == "train" else f"eval/{split}/{name}"
+            sink = ShardSink(tmp, rel, maxcount=5000)
+            for i in range(counts.get(split, 0)):
+                dom = doms[0] if len(doms) == 1 else doms[rng.integers(len(doms))]
+                img, cap, cat = draw_sample(spec, dom, rng)
+                sid = f"{name}-{split}-{i:06d}"
+                meta = {"id": sid, "task": name, "category": cat, "source": "synthetic"}
+                sink.write(sid, encode_jpeg(img), cap, meta)
+                report.read += 1
+                report.keep(split)
+                bar.update()
+            shards = sink.close()
+            if split == "train":
+                shapes = list(dict.fromkeys(s for d in doms for s in d["shapes"]))
+                styles = list(dict.fromkeys(s for d in doms for s in d["styles"]))
+                tasks[name] = TaskInfo(
+                    name=name,
+                    train=shards,
+                    description=f"{'/'.join(styles)} {', '.join(shapes)}",
+                    categories=shapes,
+                    extra={"style": styles[-1], "styles": styles},
+                )
+            elif shards.count > 0:
+                evals[split][name] = shards
+    return tasks, {sp: EvalSet(SPLIT_KIND[sp], ts) for sp, ts in evals.items() if ts}
+
+
+PRETRAIN_DIR = "pretrain"
+
+
 def build_synthetic(
     out: str | Path,
     spec: SynthSpec,
@@ -322,62 +407,61 @@ def build_synthetic(
     overwrite: bool = False,
     progress: bool = True,
 ) -> Manifest:
-    """Write a synthetic stream folder (atomically) and return its manifest."""
+    """Write a synthetic stream folder (atomically) and return its manifest.
+
+    With `spec.pretrain` > 0 the folder also holds the pretraining stream in `pretrain/`.
+    """
     for field_name in ("tasks", "per_task", "image_size"):
         if getattr(spec, field_name) <= 0:
             raise CvlError(f"--{field_name.replace('_', '-')} must be positive")
     if spec.image_size < 16:
         raise CvlError("--image-size must be at least 16")
+    if spec.pretrain < 0:
+        raise CvlError("--pretrain must be >= 0")
     for split in SPLITS[1:]:
         if spec.count(split, 1) < 0:
             raise CvlError(f"--{split}-per-task must be >= 0")
     doms = task_domains(spec)
     out = Path(out)
-    total = sum(spec.count(sp, t) for t in range(spec.tasks) for sp in SPLITS)
+    defs = [(d["name"], [d], {sp: spec.count(sp, t) for sp in SPLITS}) for t, d in enumerate(doms)]
+    pre = {"train": spec.pretrain, "test": min(500, max(50, spec.pretrain // 10))}
+    total = sum(sum(c.values()) for *_, c in defs) + (sum(pre.values()) if spec.pretrain else 0)
     report = BuildReport()
+    args = {k: getattr(spec, k) for k in spec.__dataclass_fields__}
+    layout = (
+        f"neighbouring tasks share {spec.n_overlap()} shapes and a style"
+        if spec.n_overlap()
+        else "disjoint shapes and style per task"
+    )
     with atomic_dir(out, overwrite=overwrite) as tmp:
         bar = tqdm(total=total, desc="synthetic", unit="img", disable=not progress, leave=False)
-        tasks: dict[str, TaskInfo] = {}
-        evals: dict[str, dict] = {sp: {} for sp in SPLITS[1:]}
-        for t, dom in enumerate(doms):
-            for si, split in enumerate(SPLITS):
-                rng = np.random.default_rng([spec.seed, t, si])
-                rel = f"train/{dom['name']}" if split == "train" else f"eval/{split}/{dom['name']}"
-                sink = ShardSink(tmp, rel, maxcount=5000)
-                for i in range(spec.count(split, t)):
-                    img, cap, cat = draw_sample(spec, dom, rng)
-                    sid = f"{dom['name']}-{split}-{i:06d}"
-                    sink.write(
-                        sid,
-                        encode_jpeg(img),
-                        cap,
-                        {"id": sid, "task": dom["name"], "category": cat, "source": "synthetic"},
-                    )
-                    report.read += 1
-                    report.keep(split)
-                    bar.update()
-                shards = sink.close()
-                if split == "train":
-                    tasks[dom["name"]] = TaskInfo(
-                        name=dom["name"],
-                        train=shards,
-                        description=f"{dom['style']} {', '.join(dom['shapes'])}",
-                        categories=list(dom["shapes"]),
-                        extra={"style": dom["style"]},
-                    )
-                elif shards.count > 0:
-                    evals[split][dom["name"]] = shards
+        tasks, eval_sets = _write_tasks(tmp, spec, defs, report, bar)
+        if spec.pretrain:
+            ptmp = tmp / PRETRAIN_DIR
+            ptasks, pevals = _write_tasks(ptmp, spec, [("pretrain", doms, pre)], BuildReport(), bar)
+            pm = Manifest(
+                name=f"{name or out.name}-pretrain",
+                source="synthetic",
+                split_rule="pretraining set: each pair drawn from a uniformly chosen domain of "
+                f"the stream '{name or out.name}' (the whole vocabulary)",
+                seed=spec.seed,
+                task_order=["pretrain"],
+                tasks=ptasks,
+                eval_sets=pevals,
+                source_args={**args, "pretrain_of": name or out.name},
+            )
+            save_manifest(pm, ptmp)
         bar.close()
         m = Manifest(
             name=name or out.name,
             source="synthetic",
-            split_rule="one domain per task: disjoint shapes, own drawing style and background tint; "
+            split_rule=f"one domain per task ({layout}; own background tint); "
             "colours, sizes, positions and background patterns shared",
             seed=spec.seed,
             task_order=[d["name"] for d in doms],
             tasks=tasks,
-            eval_sets={sp: EvalSet(SPLIT_KIND[sp], ts) for sp, ts in evals.items() if ts},
-            source_args={k: getattr(spec, k) for k in spec.__dataclass_fields__},
+            eval_sets=eval_sets,
+            source_args={**args, **({"pretrain_stream": PRETRAIN_DIR} if spec.pretrain else {})},
         )
         save_manifest(m, tmp)
         report.save(tmp)
@@ -443,6 +527,23 @@ def build_synthetic(
     help="Shapes (categories) per task [min(4, 28/tasks)].",
 )
 @click.option(
+    "--overlap",
+    type=int,
+    default=None,
+    callback=non_negative,
+    help="Shapes each task keeps from the previous task (it also draws half its pictures in "
+    "the previous task's style) [shapes per task - 1]; 0 = the 'disjoint' stream (no shape or "
+    "style shared between tasks).",
+)
+@click.option(
+    "--pretrain",
+    default=0,
+    show_default=True,
+    callback=non_negative,
+    help="Also write a broad pretraining stream of N pairs (all domains) to OUT/pretrain: "
+    "train CLIP_0 on it, then start methods from it with `cvl train --init-run`.",
+)
+@click.option(
     "--image-size", default=32, show_default=True, callback=positive, help="Image side in pixels."
 )
 @click.option("--seed", default=0, show_default=True, help="Same seed -> byte-identical stream.")
@@ -457,6 +558,14 @@ def synthetic_cmd(
     Runs offline in seconds; the embedded default of `make demo` and the tests. Tasks share
     colours, sizes, positions and background patterns, and differ in shapes (the category
     label used by mAP), drawing style and background tint, so sequential fine-tuning forgets.
+    By default neighbouring tasks also share most shapes and a style (--overlap), as COCO and
+    Flickr30K share vocabulary; --overlap 0 gives the disjoint stream.
+
+    \b
+    The papers' regime (a trained start):
+      cvl build-stream synthetic --out streams/s --pretrain 3000
+      cvl train --stream streams/s/pretrain --method seqft --out runs/clip0
+      cvl train --stream streams/s --init-run runs/clip0 --method modx --out runs/modx
     """
 
     m = build_synthetic(out, SynthSpec(**kw), name=name, overwrite=overwrite, progress=not quiet)

@@ -14,6 +14,7 @@ _OPTS = [
     "model",
     "model_config",
     "pretrained",
+    "init_run",
     "epochs",
     "batch_size",
     "lr",
@@ -67,7 +68,16 @@ _OPTS = [
     "--pretrained",
     default=None,
     type=click.Path(),
-    help="Local weights file to start from (no downloads).",
+    help="Local weights file to start from: an open_clip/OpenAI checkpoint or a cvl "
+    "model.safetensors (no downloads).",
+)
+@click.option(
+    "--init-run",
+    default=None,
+    type=click.Path(),
+    help="Start from a cvl run: its last finished task's weights (e.g. CLIP_0 trained on "
+    "`build-stream synthetic --pretrain`), or a task folder RUN/tasks/NN-name. Same model "
+    "config as that run.",
 )
 @click.option("--epochs", type=int, default=2, show_default=True, help="Epochs per task.")
 @click.option(

@@ -27,6 +27,7 @@ class TrainConfig:
     model: str = "clip"
     model_config: str = "tiny"
     pretrained: str | None = None
+    init_run: str | None = None  # a cvl run (last task's weights) or task folder to start from
     epochs: int = 2
     batch_size: int = 64  # per process; the global batch is batch_size × processes
     lr: float = 5e-4
@@ -70,6 +71,8 @@ class TrainConfig:
             raise CvlError(
                 f"--select must be one of {', '.join(SELECT_CHOICES)}, got '{self.select}'"
             )
+        if self.pretrained and self.init_run:
+            raise CvlError("give --pretrained FILE or --init-run RUN, not both")
         if self.buffer and self.buffer_size <= 0:
             raise CvlError(f"--buffer {self.buffer} needs a positive --buffer-size")
         if self.buffer_size and not self.buffer:

@@ -131,7 +131,12 @@ class Trainer:
 
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
-        self.model = build_model(cfg.model, cfg.model_config, pretrained=cfg.pretrained)
+        start = cfg.pretrained
+        if cfg.init_run:
+            from cvl.runs import init_weights_file
+
+            start = str(init_weights_file(cfg.init_run))
+        self.model = build_model(cfg.model, cfg.model_config, pretrained=start)
         self._sync_batchnorm()
         self.model.to(self.acc.device)
         broadcast_module(self.model)

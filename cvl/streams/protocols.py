@@ -312,7 +312,7 @@ def build_protocol(
     "--data",
     type=click.Path(file_okay=False),
     default=None,
-    help="Raw datasets folder: coco/, flickr30k/, rsicd/, ec/, iapr/ (see below).",
+    help="Raw datasets folder: coco/, flickr30k/, rsicd/, ec/, iapr/ (layout above).",
 )
 @click.option(
     "--stream",

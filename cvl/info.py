@@ -32,6 +32,10 @@ def describe_stream(path: Path) -> list[str]:
         if m.tasks[t].description:
             row += f"  {m.tasks[t].description}"
         lines.append(row)
+    for b, bm in m.benchmarks.items():
+        lines.append(f"benchmark {b}: {bm.shards.count} pairs  {bm.description}")
+    for src in m.sources:
+        lines.append(f"source {src.get('name')}: {src.get('link')} (stream.json sha256 checked)")
     rep = path / BUILD_REPORT
     if rep.is_file():
         r = read_json(rep)

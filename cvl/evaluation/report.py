@@ -171,6 +171,28 @@ def table_folders(m: dict[str, Any]) -> tuple[list[str], list[list[str]]] | None
     return ["checkpoint", "image folder", "top-1", "top-5", "images"], rows
 
 
+def table_benchmarks(m: dict[str, Any]) -> tuple[list[str], list[list[str]]] | None:
+    """Each checkpoint on each benchmark (eval sets of no task): TR@1 / IR@1 and Rm."""
+    bs = m.get("benchmarks") or {}
+    if not bs:
+        return None
+    labels: list[str] = []
+    for b in bs.values():
+        labels += [lab for lab in b["rows"] if lab not in labels]
+    headers = ["checkpoint"]
+    for name in bs:
+        headers += [f"{name} TR@1 / IR@1", f"{name} Rm"]
+    rows = []
+    for lab in labels:
+        row = [lab]
+        for b in bs.values():
+            i = b["rows"].index(lab) if lab in b["rows"] else None
+            v = {k: (vals[i] if i is not None else None) for k, vals in b["metrics"].items()}
+            row += [f"{fmt(v.get('TR@1'))} / {fmt(v.get('IR@1'))}", fmt(v.get("Rm"))]
+        rows.append(row)
+    return headers, rows
+
+
 def sections(
     m: dict[str, Any], full: bool = True
 ) -> list[tuple[str, tuple[list[str], list[list[str]]] | None]]:
@@ -187,6 +209,7 @@ def sections(
         ("Per task, final model: R@mean and Forgetting Rate (DHA Table 1)", table_dha(m)),
         ("Continual summary (from the per-task R matrices)", table_continual(m)),
         ("Zero-shot classification on image folders", table_folders(m)),
+        ("Benchmarks (eval sets of no task) after every checkpoint", table_benchmarks(m)),
     ]
     if full:
         out.append(

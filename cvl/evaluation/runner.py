@@ -371,9 +371,12 @@ def evaluate_checkpoint(
     info: dict[str, dict[str, Any]] = {t: {} for t in columns}
     # Test sets: retrieval + zero-shot.
     test: dict[str, Embeddings] = {}
+    by_shards: dict[tuple[str, ...], Embeddings] = {}
     for t in columns:
         if t in manifest.eval_sets[ctx.test_set].tasks:
-            test[t] = ctx.embed(manifest.eval_shards(ctx.test_set, t), f"{ctx.test_set}/{t}")
+            shards = manifest.eval_shards(ctx.test_set, t)
+            test[t] = ctx.embed(shards, f"{ctx.test_set}/{t}")
+            by_shards[tuple(map(str, shards))] = test[t]
     for t, e in test.items():
         r = retrieval_metrics(
             e.image_features,
@@ -401,6 +404,23 @@ def evaluate_checkpoint(
             )
             per[t]["ZS-top1"], per[t]["ZS-top5"] = z["top1"], z["top5"]
             info[t]["zeroshot"] = {k: z[k] for k in ("n", "n_skipped", "n_classes")}
+    # Benchmarks: eval sets of no task (DKR Setting-2's Flickr30K/COCO/EC, Mod-X's COCO(5K)),
+    # retrieval only; a benchmark with the same shards as a task's test set reuses its features.
+    bench: dict[str, dict[str, Any]] = {}
+    for b in getattr(manifest, "benchmarks", None) or {}:
+        shards = manifest.benchmark_shards(b)
+        e = by_shards.get(tuple(map(str, shards)))
+        if e is None:
+            e = ctx.embed(shards, f"benchmark/{b}")
+        bench[b] = retrieval_metrics(
+            e.image_features,
+            e.text_features,
+            e.text_to_image,
+            e.captions,
+            ctx.match,
+            ties=opts.ties,
+            block_elems=opts.block_elems,
+        )
     # Query / gallery: mAP.
     query: dict[str, Embeddings] = {}
     gallery: dict[str, Embeddings] = {}
@@ -477,6 +497,7 @@ def evaluate_checkpoint(
         "per_task": per,
         "info": info,
         "cumulative": cum,
+        "benchmarks": bench,
         "protocol": {
             "match": ctx.match,
             "map_feature": ctx.map_feature,
@@ -578,6 +599,11 @@ def evaluate_run(
             "eval_sets": {n: e.to_json() for n, e in manifest.eval_sets.items()},
         },
         "columns": columns,
+        **(
+            {"benchmarks": {n: b.to_json() for n, b in manifest.benchmarks.items()}}
+            if getattr(manifest, "benchmarks", None)
+            else {}
+        ),
         "options": opts.key_fields(),
         "model": run_d.get("model"),
     }
@@ -727,6 +753,7 @@ def build_metrics(
         "cumulative": cum_m,
         "so_far_vs_final": sofar,
         "final": final,
+        "benchmarks": benchmark_tables(manifest, cks, results),
         "folders": {
             c.label: results[c.label].get("folders", {})
             for c in cks
@@ -734,6 +761,26 @@ def build_metrics(
         },
         "details": {c.label: results[c.label]["info"] for c in cks if c.label in results},
     }
+
+
+def benchmark_tables(
+    manifest: Any, cks: list[Checkpoint], results: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """Per benchmark: its rows (init, then each task's checkpoint) and one list per metric."""
+    out: dict[str, Any] = {}
+    for b, bm in (getattr(manifest, "benchmarks", None) or {}).items():
+        labels = [c.label for c in cks if c.label in results]
+        vals = [(results[lab].get("benchmarks") or {}).get(b) for lab in labels]
+        keys = [k for k in RETRIEVAL_KEYS if any(v and v.get(k) is not None for v in vals)]
+        sizes = next((v for v in vals if v), {})
+        out[b] = {
+            "description": bm.description,
+            "n_images": sizes.get("n_images"),
+            "n_texts": sizes.get("n_texts"),
+            "rows": labels,
+            "metrics": {k: [v.get(k) if v else None for v in vals] for k in keys},
+        }
+    return out
 
 
 def method_label(cfg: dict[str, Any], run: Path) -> str:

@@ -15,8 +15,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import click
+
 from cvl.errors import CvlError
 from cvl.streams.manifest import Manifest
+from cvl.streams.options import build_options, common_options, finish, split_options
 from cvl.streams.pipeline import BuildOptions, Dropper, InstanceSplit, Row, build_stream, clean_text
 from cvl.streams.table import collect, iter_lines, require_file
 from cvl.streams.writer import BuildReport
@@ -107,3 +110,56 @@ def build_cc(
         "test": test,
     }
     return build_stream(rows, rule, opts, source=source, report=report, drop=drop, source_args=args)
+
+
+# -- command line ------------------------------------------------------------------------------
+def _cc_command(source: str, layout: str, paper: str, example: str):  # noqa: ANN202
+    doc = (
+        f"{source.upper()}: instance split into seeded random equal chunks ({paper}).\n\n"
+        f"\b\n{layout} per line; ids are {source}-<line>; --test/--val pairs per task are held\n"
+        f"out from the same seeded draw. See datasets/{source}.md.\n  {example}"
+    )
+
+    @click.command(source, help=doc)
+    @click.option(
+        "--tsv",
+        required=True,
+        type=click.Path(dir_okay=False),
+        help=f"The {source.upper()} TSV (headerless, {layout} per line).",
+    )
+    @click.option(
+        "--split",
+        default="instance",
+        show_default=True,
+        type=click.Choice(["instance"]),
+        help="Split rule (the BEiT class split plugs in as pipeline.ClassSplit).",
+    )
+    @split_options(4 if source == "cc12m" else 1)
+    @common_options
+    def cmd(
+        tsv: str, split: str, chunks: int, sample: int | None, val: int, test: int, **kw
+    ) -> None:
+
+        opts = build_options(kw)
+        m = build_cc(
+            source, tsv, opts, split=split, chunks=chunks, sample=sample, val=val, test=test
+        )
+        finish(m, str(opts.out))
+
+    return cmd
+
+
+cc12m_cmd = _cc_command(
+    "cc12m",
+    "url<TAB>caption",
+    "IncCLIP: 2M pairs in 4 chunks of 0.5M",
+    "cvl build-stream cc12m --tsv cc12m.tsv --out streams/cc2m --chunks 4 \\\n"
+    "      --sample 2000000 --test 5000 --processes 16 --threads 64",
+)
+cc3m_cmd = _cc_command(
+    "cc3m",
+    "caption<TAB>url",
+    "DHA's CITM task: one chunk, 130k/13k/5k",
+    "cvl build-stream cc3m --tsv Train_GCC-training.tsv --out streams/cc3m \\\n"
+    "      --sample 130000 --val 13000 --test 5000",
+)

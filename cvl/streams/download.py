@@ -622,7 +622,6 @@ def _resizer(image: ImageOptions):  # noqa: ANN202
 
 def process_local(path: str, image: ImageOptions) -> tuple[bytes | None, str | None]:
     """Read a local image and resize/encode it like a downloaded one: (jpeg bytes, error)."""
-    import io
 
     try:
         data = Path(path).read_bytes()
@@ -630,6 +629,13 @@ def process_local(path: str, image: ImageOptions) -> tuple[bytes | None, str | N
         return None, f"cannot read image file: {e.strerror or e}"
     if not data:
         return None, "empty image file"
+    return process_bytes(data, image)
+
+
+def process_bytes(data: bytes, image: ImageOptions) -> tuple[bytes | None, str | None]:
+    """Resize/encode image bytes from an archive like a downloaded image: (jpeg bytes, error)."""
+    import io
+
     img, _, _, _, _, err = _resizer(image)(io.BytesIO(data))
     if err is not None or img is None:
         return None, short_error(err or "image decoding error")

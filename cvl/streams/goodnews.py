@@ -21,8 +21,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import click
+
 from cvl.errors import CvlError
 from cvl.streams.manifest import Manifest
+from cvl.streams.options import build_options, common_options, finish, split_options
 from cvl.streams.pipeline import (
     BuildOptions,
     Dropper,
@@ -148,3 +151,60 @@ def build_goodnews(
     return build_stream(
         rows, rule, opts, source="goodnews", report=report, drop=drop, source_args=args
     )
+
+
+# -- command line ------------------------------------------------------------------------------
+@click.command("goodnews")
+@click.option(
+    "--captions",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="captioning_dataset.json (article+caption.json).",
+)
+@click.option("--urls", type=click.Path(dir_okay=False), default=None, help="img_urls.json.")
+@click.option(
+    "--splits",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="img_splits.json (official train/val/test); else val/test are drawn at random.",
+)
+@click.option(
+    "--images",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Folder of <article>_<index>.jpg; used before URLs.",
+)
+@split_options(1)
+@common_options
+def goodnews_cmd(
+    captions: str,
+    urls: str | None,
+    splits: str | None,
+    images: str | None,
+    chunks: int,
+    sample: int | None,
+    val: int,
+    test: int,
+    **kw,
+) -> None:
+    """GoodNews (NYT images, journalists' captions): one task, official or random splits.
+
+    \b
+    DHA's CITM task: --sample 130000 --val 13000 --test 5000. See datasets/goodnews.md.
+      cvl build-stream goodnews --captions captioning_dataset.json --urls img_urls.json \\
+          --splits img_splits.json --out streams/goodnews --sample 130000 --val 13000 --test 5000
+    """
+
+    opts = build_options(kw)
+    m = build_goodnews(
+        captions,
+        opts,
+        urls=urls,
+        splits=splits,
+        images=images,
+        chunks=chunks,
+        sample=sample,
+        val=val,
+        test=test,
+    )
+    finish(m, str(opts.out))

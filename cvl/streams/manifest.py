@@ -20,8 +20,17 @@ Schema ``cvl.stream/1`` (all paths are relative to the stream folder unless abso
       "eval_sets": {"test": {"kind": "pairs",
                              "tasks": {"t0": {"shards": [...], "count": 60}, ...}},
                     "query": {"kind": "query", "tasks": {...}},
-                    "gallery": {"kind": "gallery", "tasks": {...}}}
+                    "gallery": {"kind": "gallery", "tasks": {...}}},
+      "benchmarks": {"coco-5k": {"kind": "pairs", "shards": [...], "count": 5000,
+                                 "description": "..."}},      # optional
+      "sources": [{"name": "coco", "link": "sources/coco", "stream_sha256": "..."}]  # optional
     }
+
+``benchmarks`` are evaluation sets that belong to no task (DKR Setting-2 trains on EC parts
+and tests on Flickr30K, COCO and EC): `cvl eval` scores every checkpoint on each of them.
+``sources`` (composed streams, `cvl build-stream compose`) name the streams whose shards are
+referenced and the SHA-256 of their stream.json at composition time: loading the stream
+refuses a source that changed since.
 
 Every sample's KEY.json holds at least ``id``, ``task`` and ``category`` (may be null) and
 optionally ``captions`` (all captions of the image; KEY.txt is the first one).
@@ -86,6 +95,18 @@ class EvalSet:
 
 
 @dataclass
+class Benchmark:
+    """An evaluation set outside the tasks (scored after every task, in no R matrix)."""
+
+    kind: str
+    shards: ShardSet
+    description: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, **self.shards.to_json(), "description": self.description}
+
+
+@dataclass
 class Manifest:
     """In-memory form of `stream.json`; `root` is the folder the relative paths start from."""
 
@@ -97,6 +118,8 @@ class Manifest:
     tasks: dict[str, TaskInfo]
     eval_sets: dict[str, EvalSet] = field(default_factory=dict)
     source_args: dict[str, Any] = field(default_factory=dict)
+    benchmarks: dict[str, Benchmark] = field(default_factory=dict)
+    sources: list[dict[str, Any]] = field(default_factory=list)
     created: str = ""
     cvl_version: str = __version__
     root: Path | None = None
@@ -123,6 +146,14 @@ class Manifest:
             raise CvlError(f"stream '{self.name}': eval set '{set_name}' has no task '{task}'")
         return [self.resolve(s) for s in es.tasks[task].shards]
 
+    def benchmark_shards(self, name: str) -> list[Path]:
+        if name not in self.benchmarks:
+            raise CvlError(
+                f"stream '{self.name}' has no benchmark '{name}' "
+                f"(it has: {', '.join(self.benchmarks) or 'none'})"
+            )
+        return [self.resolve(s) for s in self.benchmarks[name].shards.shards]
+
     def _task(self, task: str) -> TaskInfo:
         if task not in self.tasks:
             raise CvlError(f"stream '{self.name}' has no task '{task}' (tasks: {self.task_order})")
@@ -130,7 +161,7 @@ class Manifest:
 
     # -- (de)serialisation -------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
-        return {
+        d = {
             "schema": SCHEMA,
             "name": self.name,
             "source": self.source,
@@ -144,6 +175,11 @@ class Manifest:
             "tasks": {n: self.tasks[n].to_json() for n in self.tasks},
             "eval_sets": {n: e.to_json() for n, e in self.eval_sets.items()},
         }
+        if self.benchmarks:  # optional fields: absent unless used (older streams unchanged)
+            d["benchmarks"] = {n: b.to_json() for n, b in self.benchmarks.items()}
+        if self.sources:
+            d["sources"] = [dict(s) for s in self.sources]
+        return d
 
     @property
     def fingerprint(self) -> dict[str, Any]:
@@ -243,6 +279,23 @@ def manifest_from_json(d: Any, root: Path | None = None) -> Manifest:
                 raise _err(f"{where}.tasks", f"unknown task '{tname}'")
             sets[tname] = _shardset(ss, f"{where}.tasks['{tname}']", allow_empty=True)
         eval_sets[sname] = EvalSet(kind=kind, tasks=sets)
+    benchmarks: dict[str, Benchmark] = {}
+    bd = d.get("benchmarks") or {}
+    if not isinstance(bd, dict):
+        raise _err("benchmarks", "must be an object")
+    for bname, b in bd.items():
+        where = f"benchmarks['{bname}']"
+        if not isinstance(b, dict):
+            raise _err(where, "must be an object")
+        kind = _req(b, "kind", str, where)
+        if kind != "pairs":
+            raise _err(f"{where}.kind", f"must be 'pairs', got '{kind}'")
+        benchmarks[bname] = Benchmark(
+            kind=kind, shards=_shardset(b, where), description=str(b.get("description", ""))
+        )
+    sources = d.get("sources") or []
+    if not isinstance(sources, list) or not all(isinstance(s, dict) for s in sources):
+        raise _err("sources", "must be a list of objects")
     return Manifest(
         name=name,
         source=source,
@@ -252,6 +305,8 @@ def manifest_from_json(d: Any, root: Path | None = None) -> Manifest:
         tasks=tasks,
         eval_sets=eval_sets,
         source_args=dict(d.get("source_args") or {}),
+        benchmarks=benchmarks,
+        sources=[dict(s) for s in sources],
         created=str(d.get("created", "")),
         cvl_version=str(d.get("cvl_version", "")),
         root=root,
@@ -287,7 +342,38 @@ def load_manifest(stream: str | os.PathLike, check_files: bool = True) -> Manife
                         raise CvlError(
                             f"stream '{m.name}': eval set '{sname}', task '{t}': missing shard {s}"
                         )
+        for bname in m.benchmarks:
+            for s in m.benchmark_shards(bname):
+                if not s.is_file():
+                    raise CvlError(f"stream '{m.name}': benchmark '{bname}': missing shard {s}")
+        check_sources(m)
     return m
+
+
+def file_sha256(path: Path) -> str:
+    """SHA-256 of a file (a source stream's stream.json)."""
+    import hashlib
+
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def check_sources(m: Manifest) -> None:
+    """A composed stream's sources must be the streams it was composed from (same stream.json)."""
+    for s in m.sources:
+        link = s.get("link") or s.get("path")
+        want = s.get("stream_sha256")
+        if not link or not want:
+            continue
+        mp = m.resolve(str(link)) / MANIFEST
+        if not mp.is_file():
+            raise CvlError(
+                f"stream '{m.name}': source stream '{s.get('name')}' is gone ({mp.parent})"
+            )
+        if file_sha256(mp) != want:
+            raise CvlError(
+                f"stream '{m.name}': source stream '{s.get('name')}' ({mp.parent}) changed since "
+                "it was composed: compose the stream again"
+            )
 
 
 def save_manifest(m: Manifest, folder: str | os.PathLike) -> Path:

@@ -20,8 +20,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import click
+
 from cvl.errors import CvlError
 from cvl.streams.manifest import Manifest
+from cvl.streams.options import build_options, common_options, finish, positive
 from cvl.streams.pipeline import (
     BuildOptions,
     ColumnSplit,
@@ -235,3 +238,71 @@ def build_p9d(
         task_extra=extra,
         descriptions={en: f"P9D industry {cn}" for cn, en in INDUSTRIES},
     )
+
+
+# -- command line ------------------------------------------------------------------------------
+@click.command("p9d")
+@click.option(
+    "--annotations",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="Folder with train.json (required) and test.json / query.json / gallery.json.",
+)
+@click.option(
+    "--images",
+    multiple=True,
+    type=click.Path(file_okay=False),
+    help="Folder(s) of {item_id}.jpg (also searched: train_images/, gallery_images/). "
+    "Given: no downloads. Repeatable.",
+)
+@click.option(
+    "--download-missing",
+    is_flag=True,
+    help="With --images: download the links of items whose file is missing.",
+)
+@click.option(
+    "--limit-per-task",
+    type=int,
+    default=None,
+    callback=positive,
+    help="At most N training pairs per industry (seeded random subset).",
+)
+@click.option(
+    "--eval-limit-per-task",
+    type=int,
+    default=None,
+    callback=positive,
+    help="At most N pairs per industry in each eval set (test, query, gallery).",
+)
+@common_options
+def p9d_cmd(
+    annotations: str,
+    images: tuple[str, ...],
+    download_missing: bool,
+    limit_per_task: int | None,
+    eval_limit_per_task: int | None,
+    **kw,
+) -> None:
+    """P9D (CTP): nine industries as tasks; test, query and gallery eval sets with categories.
+
+    \b
+    Tasks in the paper's default order: Household, Furnishings, Food, Beauty, Clothing, Auto,
+    Parenting, Outdoor, Electronics (--order reversed, or e.g. "Food,Beauty,Auto"; Chinese
+    industry names work too). Caption = product title, category = cate_name. Licence:
+    CC BY-NC-SA 4.0 (non-commercial). See datasets/p9d.md.
+
+    \b
+      cvl build-stream p9d --annotations P9D/json --images P9D --out streams/p9d
+      cvl build-stream p9d --annotations P9D/json --out streams/p9d-small --limit-per-task 2000
+    """
+
+    opts = build_options(kw)
+    m = build_p9d(
+        annotations,
+        opts,
+        images=list(images),
+        limit_per_task=limit_per_task,
+        eval_limit_per_task=eval_limit_per_task,
+        download_missing=download_missing,
+    )
+    finish(m, str(opts.out))

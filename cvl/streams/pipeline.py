@@ -24,6 +24,8 @@ class labels, e.g. IncCLIP's BEiT pseudo-label split: give it the label of each 
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import re
 from collections import Counter
@@ -41,6 +43,7 @@ from cvl.streams.download import (
     DownloadCache,
     DownloadOptions,
     ImageOptions,
+    process_bytes,
     process_local,
 )
 from cvl.streams.manifest import EvalSet, Manifest, ShardSet, TaskInfo, save_manifest
@@ -65,9 +68,12 @@ class Row:
     category: str | None = None
     captions: list[str] | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    blob: tuple[str, int, int] | None = None  # (file, offset, length) of a base64 image (EC TSV)
 
     @property
     def where(self) -> str:
+        if self.blob:
+            return f"{Path(self.blob[0]).name}@{self.blob[1]}"
         return self.url or self.path or ""
 
 
@@ -152,7 +158,7 @@ def validate_rows(rows: Iterable[Row], drop: Dropper) -> list[Row]:
         if any(has_surrogates(t) for t in texts):
             drop("non_utf8", r, detail="caption/category is not valid UTF-8")
             continue
-        if not r.url and not r.path:
+        if not r.url and not r.path and not r.blob:
             drop("missing_image", r, detail="no url or image path")
             continue
         if r.url and not r.path and not re.match(r"^https?://", r.url, re.I):
@@ -545,6 +551,8 @@ def _image_plan(
     for i, r in enumerate(rows):
         if r.path:
             plan[i] = ("file", r.path)
+        elif r.blob:
+            plan[i] = ("b64", *r.blob)
         else:
             url_rows.setdefault(r.url or "", []).append(i)
     if url_rows:
@@ -581,6 +589,8 @@ def _image_plan(
 def _load(item: tuple, image: ImageOptions) -> tuple[bytes | None, str | None]:
     if item[0] == "file":
         return process_local(item[1], image)
+    if item[0] == "b64":
+        return _load_b64(item[1], item[2], item[3], image)
     _, tar, off, size = item
     try:
         with open(tar, "rb") as f:
@@ -590,13 +600,32 @@ def _load(item: tuple, image: ImageOptions) -> tuple[bytes | None, str | None]:
         return None, f"cannot read cached image: {e}"
 
 
+def _load_b64(
+    path: str, off: int, size: int, image: ImageOptions
+) -> tuple[bytes | None, str | None]:
+    """A base64 image stored inside a text file (MUGE / EC-T2I `*.img.tsv`)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(off)
+            raw = f.read(size)
+    except OSError as e:
+        return None, f"cannot read {path}: {e.strerror or e}"
+    try:
+        data = base64.b64decode(raw.strip(), validate=True)
+    except (binascii.Error, ValueError) as e:
+        return None, f"undecodable base64 ({e})"
+    if not data:
+        return None, "empty image"
+    return process_bytes(data, image)
+
+
 def _load_star(args: tuple) -> tuple[bytes | None, str | None]:
     return _load(*args)
 
 
 def _images(items: list[tuple], image: ImageOptions, processes: int) -> Iterator[tuple]:
     """Image bytes for each plan item, in order (local files resized in a pool if processes>1)."""
-    n_local = sum(1 for it in items if it[0] == "file")
+    n_local = sum(1 for it in items if it[0] in ("file", "b64"))
     if processes > 1 and n_local > 256:
         import multiprocessing as mp
 
@@ -677,7 +706,12 @@ def build_stream(
                 bar.update()
                 r = rows[i]
                 if data is None:
-                    drop("bad_image", r, detail=f"{r.where}: {err}")
+                    why = (
+                        "bad_base64"
+                        if (err or "").startswith("undecodable base64")
+                        else "bad_image"
+                    )
+                    drop(why, r, detail=f"{r.where}: {err}")
                     continue
                 meta = {
                     # source metadata first: it never overrides the fields below

@@ -23,10 +23,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import click
 import numpy as np
 
 from cvl.errors import CvlError
 from cvl.streams.manifest import Manifest
+from cvl.streams.options import build_options, common_options, finish, positive, split_options
 from cvl.streams.pipeline import (
     SPLITS,
     BuildOptions,
@@ -413,3 +415,101 @@ def build_table(
         "limit_per_task": limit_per_task,
     }
     return build_stream(rows, rule, opts, source=source, report=report, drop=drop, source_args=args)
+
+
+# -- command line ------------------------------------------------------------------------------
+@click.command("table")
+@click.option(
+    "--input",
+    "inputs",
+    required=True,
+    multiple=True,
+    type=click.Path(dir_okay=False),
+    help="CSV / TSV / JSONL / JSON / parquet file (.gz ok). Repeatable.",
+)
+@click.option(
+    "--format",
+    "fmt",
+    default=None,
+    type=click.Choice(["csv", "tsv", "jsonl", "json", "parquet"]),
+    help="File format [from the extension].",
+)
+@click.option("--url-col", required=True, help="Column with an image URL or a local path.")
+@click.option("--caption-col", required=True, help="Column with the caption.")
+@click.option(
+    "--task-col", default=None, help="Column naming each pair's task [one task, or --chunks]."
+)
+@click.option("--category-col", default=None, help="Column with a category label (for mAP).")
+@click.option("--id-col", default=None, help="Column with a unique id [row number].")
+@click.option(
+    "--split-col",
+    default=None,
+    help="Column with train / val / test / query / gallery [held out with --val/--test].",
+)
+@click.option(
+    "--images-root",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Where relative image paths start [the input file's folder].",
+)
+@click.option("--no-header", is_flag=True, help="CSV/TSV without a header: columns are 0, 1, ...")
+@click.option("--task-name", default="all", show_default=True, help="Task name without --task-col.")
+@click.option(
+    "--limit-per-task",
+    type=int,
+    default=None,
+    callback=positive,
+    help="With --task-col: at most N training pairs per task (seeded).",
+)
+@split_options(1)
+@common_options
+def table_cmd(
+    inputs: tuple[str, ...],
+    fmt: str | None,
+    url_col: str,
+    caption_col: str,
+    task_col: str | None,
+    category_col: str | None,
+    id_col: str | None,
+    split_col: str | None,
+    images_root: str | None,
+    no_header: bool,
+    task_name: str,
+    limit_per_task: int | None,
+    chunks: int,
+    sample: int | None,
+    val: int,
+    test: int,
+    **kw,
+) -> None:
+    """Any image-text table: URL or path + caption (+ task, category, id, split columns).
+
+    \b
+    Your own data: one row per pair. URLs are downloaded (img2dataset, cached), paths are read
+    from disk. With --task-col each value is a task (order of first appearance; --order to
+    change); without it --chunks seeded random chunks. See datasets/README.md.
+      cvl build-stream table --input pairs.csv --url-col image --caption-col text \\
+          --task-col domain --test 500 --out streams/mine
+    """
+
+    opts = build_options(kw)
+    m = build_table(
+        list(inputs),
+        opts,
+        url_col=url_col,
+        caption_col=caption_col,
+        task_col=task_col,
+        category_col=category_col,
+        id_col=id_col,
+        split_col=split_col,
+        fmt=fmt,
+        no_header=no_header,
+        images_root=images_root,
+        chunks=chunks,
+        sample=sample,
+        val=val,
+        test=test,
+        limit_per_task=limit_per_task,
+        task_name=task_name,
+    )
+    finish(m, str(opts.out))

@@ -13,8 +13,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import click
+
 from cvl.errors import CvlError
 from cvl.streams.manifest import Manifest
+from cvl.streams.options import build_options, common_options, finish, split_options
 from cvl.streams.pipeline import (
     BuildOptions,
     Dropper,
@@ -148,3 +151,77 @@ def build_wit(
         "test": test,
     }
     return build_stream(rows, rule, opts, source="wit", report=report, drop=drop, source_args=args)
+
+
+# -- command line ------------------------------------------------------------------------------
+@click.command("wit")
+@click.option(
+    "--tsv",
+    "tsvs",
+    required=True,
+    multiple=True,
+    type=click.Path(dir_okay=False),
+    help="WIT TSV(.gz) file(s) with the 17-column header. Repeatable.",
+)
+@click.option(
+    "--language",
+    "languages",
+    multiple=True,
+    default=("en",),
+    show_default=True,
+    help="Keep rows of these languages. Repeatable.",
+)
+@click.option(
+    "--caption-col",
+    default="caption_reference_description",
+    show_default=True,
+    type=click.Choice(
+        [
+            "caption_reference_description",
+            "caption_attribution_description",
+            "caption_alt_text_description",
+        ]
+    ),
+    help="Caption column.",
+)
+@click.option(
+    "--mime-types",
+    default="image/jpeg,image/png,image/webp",
+    show_default=True,
+    help="Comma list of MIME types to keep (others are dropped as mime_type).",
+)
+@split_options(1)
+@common_options
+def wit_cmd(
+    tsvs: tuple[str, ...],
+    languages: tuple[str, ...],
+    caption_col: str,
+    mime_types: str,
+    chunks: int,
+    sample: int | None,
+    val: int,
+    test: int,
+    **kw,
+) -> None:
+    """WIT (Wikipedia image-text): English reference descriptions as captions, one task.
+
+    \b
+    DHA's CITM task: --sample 130000 --val 13000 --test 5000. See datasets/wit.md.
+      cvl build-stream wit --tsv wit_v1.train.all-00000-of-00010.tsv.gz --out streams/wit \\
+          --sample 130000 --val 13000 --test 5000
+    """
+
+    opts = build_options(kw)
+    mimes = tuple(m.strip() for m in mime_types.split(",") if m.strip())
+    m = build_wit(
+        list(tsvs),
+        opts,
+        languages=languages,
+        caption_col=caption_col,
+        mime_types=mimes,
+        chunks=chunks,
+        sample=sample,
+        val=val,
+        test=test,
+    )
+    finish(m, str(opts.out))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import click
 
 from cvl.streams.manifest import Manifest
@@ -739,3 +741,6 @@ def table_cmd(
         task_name=task_name,
     )
     _finish(m, str(opts.out))
+
+
+build_stream.add_command(importlib.import_module("cvl.streams.classsplit").class_split_cmd)

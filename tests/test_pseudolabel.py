@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from pseudolabel_helpers import save_tiny_beit
 
 import cvl.streams.pseudolabel as pl
 from cvl.cli import main
@@ -25,31 +26,6 @@ from cvl.streams.classsplit import ClassSplitOptions, build_class_split, partiti
 from cvl.streams.manifest import load_manifest, manifest_from_json
 
 UNIT, BATCH = 32, 16
-
-
-def save_tiny_beit(folder: Path, head: bool = True) -> Path:
-    from transformers import BeitConfig, BeitForImageClassification, BeitImageProcessor, BeitModel
-
-    torch.manual_seed(0)
-    cfg = BeitConfig(
-        image_size=32,
-        patch_size=8,
-        num_hidden_layers=2,
-        hidden_size=32,
-        num_attention_heads=2,
-        intermediate_size=64,
-        num_labels=1000,
-    )
-    if head:
-        model = BeitForImageClassification(cfg)
-        torch.nn.init.normal_(model.classifier.weight, std=1.0)
-    else:
-        model = BeitModel(cfg)
-    model.save_pretrained(folder)
-    BeitImageProcessor(size={"height": 32, "width": 32}, do_center_crop=False).save_pretrained(
-        folder
-    )
-    return folder
 
 
 @pytest.fixture(scope="module")

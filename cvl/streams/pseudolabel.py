@@ -26,6 +26,7 @@ import json
 import os
 import re
 import shutil
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -278,6 +279,7 @@ def label_stream(stream: str | os.PathLike, opts: LabelOptions, accelerator: Any
         disable=not (opts.progress and main),
     )
     lines: list[str] = []
+    t0 = time.perf_counter()
     autocast = acc.autocast() if acc is not None else torch.autocast("cpu", enabled=False)
     with torch.inference_mode(), autocast:
         for b, items in enumerate(loader):
@@ -308,9 +310,15 @@ def label_stream(stream: str | os.PathLike, opts: LabelOptions, accelerator: Any
             bar.update(len(items))
     bar.close()
     _barrier(acc)
+    run = {
+        "images": sum(u.stop - u.start for u in todo),
+        "units": len(todo),
+        "processes": world,
+        "seconds": round(time.perf_counter() - t0, 3),  # loop + waiting for the slowest rank
+    }
     info: dict[str, Any] = {}
     if main:
-        info = _merge(folder, manifest, parts, units, classes, opts, left_out)
+        info = _merge(folder, manifest, parts, units, classes, opts, left_out, run)
     _barrier(acc)
     if not main:
         info = read_json(info_path)
@@ -325,6 +333,7 @@ def _merge(
     classes: list[str],
     opts: LabelOptions,
     left_out: Counter,
+    run: dict[str, Any],
 ) -> dict[str, Any]:
     """Concatenate unit files into one JSONL per part; write labels.json; drop the parts."""
     import datetime as _dt
@@ -364,6 +373,7 @@ def _merge(
         "labelled": sum(c["labelled"] for c in counts.values()),
         "unreadable": sum(c["unreadable"] for c in counts.values()),
         "left_out_by_reader": dict(left_out),
+        "last_run": run,
         "format": "PART.jsonl: one line per sample in shard order: key, id, class (index), "
         "label (the classifier's id2label name), score (top-1 softmax probability); "
         "class null and error set when the image could not be decoded",

@@ -28,13 +28,10 @@ from pathlib import Path
 from typing import Any
 
 import click
-import numpy as np
-from tqdm import tqdm
 
 from cvl.errors import CvlError
 from cvl.io import atomic_dir, read_json
 from cvl.streams.manifest import EvalSet, Manifest, TaskInfo, load_manifest, save_manifest
-from cvl.streams.writer import BuildReport, ShardSink
 
 
 def partition_classes(
@@ -44,6 +41,8 @@ def partition_classes(
 
     Groups differ in size by at most one (the first n % steps groups get the extra class).
     """
+    import numpy as np
+
     if steps <= 0:
         raise CvlError(f"--steps must be positive, got {steps}")
     if steps > n_classes:
@@ -187,6 +186,8 @@ def resolve_labels(m: Manifest, src: Path, opts: ClassSplitOptions) -> _Labels:
 
 def _pick(n: int, cap: int | None, seed: int, salt: int) -> list[int]:
     """Sorted seeded subset of range(n) of size cap (all when cap is None or >= n)."""
+    import numpy as np
+
     if cap is None or cap >= n:
         return list(range(n))
     rng = np.random.default_rng([seed, 15, salt])
@@ -197,7 +198,10 @@ def build_class_split(
     src: str | Path, out: str | Path, opts: ClassSplitOptions
 ) -> tuple[Manifest, dict[str, Any]]:
     """Write the class-incremental stream `out` from the labelled stream `src`."""
+    from tqdm import tqdm
+
     from cvl.data.reader import _FILES
+    from cvl.streams.writer import BuildReport, ShardSink
     from cvl.streams.pseudolabel import read_labels
 
     src = Path(src)

@@ -33,8 +33,6 @@ from pathlib import Path
 from typing import Any
 
 import click
-import torch
-from tqdm import tqdm
 
 from cvl.errors import CvlError
 from cvl.io import atomic_write_bytes, read_json, write_json
@@ -148,8 +146,10 @@ def load_classifier(model_id: str) -> tuple[Any, Any, list[str]]:
     return model, processor, [id2label[i] for i in range(n)]
 
 
-class _Images(torch.utils.data.Dataset):
-    """Processed pixels of reader entries; an image that fails to decode gives x = None."""
+class _Images:
+    """Processed pixels of reader entries; an image that fails to decode gives x = None.
+
+    (A map-style dataset for the DataLoader; torch is imported lazily to keep `cvl` fast.)"""
 
     def __init__(self, entries: list[Any], processor: Any) -> None:
         self.entries, self.processor = entries, processor
@@ -215,6 +215,9 @@ def _barrier(acc: Any) -> None:
 
 def label_stream(stream: str | os.PathLike, opts: LabelOptions, accelerator: Any = None) -> dict:
     """Label every image of `stream` (resuming earlier work); returns labels.json's content."""
+    import torch
+    from tqdm import tqdm
+
     from cvl.data.reader import index_shard
     from cvl.streams.manifest import load_manifest
 
@@ -233,6 +236,8 @@ def label_stream(stream: str | os.PathLike, opts: LabelOptions, accelerator: Any
                 f"{folder} holds labels of another model ({info.get('model')}); "
                 "pass --name or --overwrite"
             )
+        if info.get("stream") != manifest.fingerprint:
+            raise CvlError(f"{folder}: labels of an earlier version of the stream; pass --overwrite")
         return {**info, "already_complete": True}
     model, processor, classes = load_classifier(opts.model)
     device = acc.device if acc is not None else torch.device("cpu")
@@ -408,6 +413,8 @@ def _positive(ctx: click.Context, param: click.Parameter, value: int) -> int:
 
 def _accelerator() -> Any:
     """An Accelerator when launched with several processes (accelerate launch / torchrun)."""
+    import torch
+
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         from accelerate import Accelerator
 

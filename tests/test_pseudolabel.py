@@ -314,3 +314,80 @@ def test_two_processes_give_the_same_labels(labelled, synth_stream, tiny_beit, t
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("images labelled") == 1  # the main process reports
     assert _label_files(s) == _label_files(labelled)
+
+
+def test_zeroshot_among_task_seen_and_all_classes(monkeypatch):
+    """IncCLIP's protocol from the class map, on hand-made embeddings.
+
+    Classes a, b (task t0) and c, d (task t1); prompt vectors pa = (1,0,0), pb = (0,1,0),
+    pc = (0,0,1), pd = norm(1, .2, 0). Test images: t0 has x_a = norm(1, .3, 0) of class a
+    (cos to pa .958, to pd .996: d wins once d is a candidate) and x_b = (0,1,0); t1 has
+    x_c = (0,0,1). Among a task's classes everything is right; among all classes x_a is wrong.
+    """
+    from cvl.evaluation import runner
+    from cvl.evaluation.embed import Embeddings
+    from cvl.streams.manifest import EvalSet, Manifest, ShardSet, TaskInfo
+
+    n = torch.nn.functional.normalize
+    protos = {
+        "pa": [1.0, 0, 0],
+        "pb": [0, 1.0, 0],
+        "pc": [0, 0, 1.0],
+        "pd": n(torch.tensor([1.0, 0.2, 0]), dim=0).tolist(),
+    }
+    asked = []
+
+    def class_embeddings(model, names, templates, batch_size):  # noqa: ANN001, ANN202
+        asked.append(list(names))
+        return torch.tensor([protos[x] for x in names])
+
+    def embed(self, shards, desc, **kw):  # noqa: ANN001, ANN202
+        feats = {
+            "test/t0": (n(torch.tensor([[1.0, 0.3, 0], [0, 1.0, 0]]), dim=-1), ["a", "b"]),
+            "test/t1": (torch.tensor([[0, 0, 1.0]]), ["c"]),
+        }[desc]
+        k = len(feats[1])
+        return Embeddings(
+            feats[0],
+            feats[0],
+            torch.arange(k),
+            [f"{desc}{i}" for i in range(k)],
+            [f"{desc}{i}" for i in range(k)],
+            feats[1],
+            [desc] * k,
+        )
+
+    monkeypatch.setattr(runner, "class_embeddings", class_embeddings)
+    monkeypatch.setattr(runner._Ctx, "embed", embed)
+    ss = ShardSet(["x.tar"], 1)
+    tasks = {
+        "t0": TaskInfo("t0", ss, categories=["a", "b"]),
+        "t1": TaskInfo("t1", ss, categories=["c", "d"]),
+    }
+    m = Manifest(
+        "cs",
+        "cc12m",
+        "class split",
+        0,
+        ["t0", "t1"],
+        tasks,
+        eval_sets={"test": EvalSet("pairs", {"t0": ss, "t1": ss})},
+        class_map={
+            "names": ["a", "b", "c", "d"],
+            "prompts": ["pa", "pb", "pc", "pd"],
+            "task_of": ["t0", "t0", "t1", "t1"],
+        },
+    )
+    opts = runner.EvalOptions(probe=False, zs_templates="simple", progress=False)
+    model = type("M", (), {"has_fusion": False})()
+    r = runner.evaluate_checkpoint(model, m, ["t0", "t1"], 2, opts)
+    assert sorted(asked[0]) == ["pa", "pb", "pc", "pd"]  # prompts come from the class map
+    pt = r["per_task"]
+    assert pt["t0"]["ZS-top1"] == 100.0 and pt["t0"]["ZS-all-top1"] == 50.0
+    assert pt["t1"]["ZS-top1"] == 100.0 and pt["t1"]["ZS-all-top1"] == 100.0
+    assert r["info"]["t0"]["zeroshot"]["n_classes"] == 2
+    assert r["info"]["t0"]["zeroshot_all"]["n_classes"] == 4
+    assert pt["t1"]["ZS-top5"] is None  # top-5 of 2 classes is not reported
+    c0, c1 = r["cumulative"]["0"]["metrics"], r["cumulative"]["1"]["metrics"]
+    assert c0["ZS-top1"] == 100.0 and c0["ZS-all-top1"] == 50.0  # seen {a, b} vs all
+    assert abs(c1["ZS-top1"] - 200 / 3) < 1e-4 and abs(c1["ZS-all-top1"] - 200 / 3) < 1e-4

@@ -206,6 +206,8 @@ def build_class_split(
 
     src = Path(src)
     m = load_manifest(src)
+    if Path(out).absolute() == src.absolute():
+        raise CvlError("--out must differ from --from (the source stream is read while writing)")
     if opts.min_score is not None and not 0.0 <= opts.min_score <= 1.0:
         raise CvlError(f"--min-score must be in [0, 1], got {opts.min_score}")
     lab = resolve_labels(m, src, opts)
@@ -232,7 +234,7 @@ def build_class_split(
         return ps
 
     # Pass 1: the class of every usable sample; counts and drops.
-    chosen: dict[tuple[str, str], list[tuple[Any, dict, int, float | None, str]]] = {}
+    chosen: dict[tuple[str, str], list[tuple[Any, int, float | None, str]]] = {}
     for split, sset, stask, shards in parts():
         labels = None
         if lab.kind == "pseudo":
@@ -270,7 +272,7 @@ def build_class_split(
             if t is None:
                 report.drop("class_in_no_task", where)
                 continue
-            chosen.setdefault((split, t), []).append((e, meta, c, score, stask))
+            chosen.setdefault((split, t), []).append((e, c, score, stask))  # no meta: memory
     # Held-out test pairs, caps.
     if opts.test:
         for i, t in enumerate(tasks):
@@ -312,7 +314,8 @@ def build_class_split(
                     continue
                 rel = f"train/{t}" if split == "train" else f"eval/{split}/{t}"
                 sink = ShardSink(tmp, rel, opts.shard_size)
-                for e, meta, c, score, stask in rows:
+                for e, c, score, stask in rows:
+                    meta = json.loads(_FILES.read(e.shard, e.meta).decode("utf-8")) if e.meta else {}
                     jpg = _FILES.read(e.shard, e.image)
                     cap = _FILES.read(e.shard, e.text).decode("utf-8")
                     new = dict(meta)
@@ -338,7 +341,7 @@ def build_class_split(
                     eval_sets[split][t] = ss
         bar.close()
         class_counts = {
-            t: dict(sorted(Counter(r[2] for r in chosen[("train", t)]).items())) for t in tasks
+            t: dict(sorted(Counter(r[1] for r in chosen[("train", t)]).items())) for t in tasks
         }
         man = Manifest(
             name=name,

@@ -6,7 +6,10 @@ momentum or historical models, queues, importance weights). Replay buffers are s
 (`cvl.methods.buffers`) and combine with any method.
 
 Hook order per task: `before_task` → for every step [`before_step` → forward →
-`loss` → backward/optimizer → `after_step`] → `after_task`. On resume mid-task the loop calls
+`loss` → backward (per micro-batch) → gradients averaged over ranks → `after_backward` →
+clipping → optimizer step → `after_step`] → `after_task`. `after_backward` sees the averaged
+gradient of the loss terms (e.g. SI's unregularised gradient) and may add to `p.grad` (an
+analytic penalty gradient) before clipping and the step. On resume mid-task the loop calls
 `before_task(ctx)` (with `ctx.resuming` True) and then `load_state_dict(saved)`, so state that
 evolves during a task (momentum/historical models, queues) must be in `state_dict()`; state
 fixed at task start (the previous task's model) is rebuilt by `before_task` from disk through
@@ -139,6 +142,10 @@ class Method:
         self, batch: dict[str, Any], out: dict[str, torch.Tensor], ctx: TaskContext
     ) -> dict[str, torch.Tensor]:
         return base_loss(ctx.model, batch, out, ctx)
+
+    def after_backward(self, ctx: TaskContext) -> None:
+        """Once per optimizer step: gradients are summed over micro-batches and averaged over
+        ranks, not yet clipped or applied (read them, or add an analytic gradient to them)."""
 
     def after_step(self, ctx: TaskContext) -> None:
         pass

@@ -327,3 +327,72 @@ def test_trains_and_resumes_exactly(synth_stream, tmp_path, monkeypatch, method,
     assert [r["loss"] for r in task_log(tmp_path / "a", 1)] == [
         r["loss"] for r in task_log(tmp_path / "b", 1)
     ]
+
+
+# -- importance over ranks ----------------------------------------------------------------------
+
+
+def _importances(rows: slice) -> dict:
+    """Fisher and MAS importance of the tiny fusion model (ITC + MLM; fusion CLS) on 2 global
+    batches of 16 (the clip model's ITC is the same gathered-matrix arithmetic)."""
+    from cvl.methods.ewc import fisher_objective
+    from cvl.methods.regularizers import trainable
+    from cvl.models import build_model
+
+    res = {}
+    for kind, cfg in (("fusion", "tiny"),):
+        torch.manual_seed(0)
+        model = build_model(kind, cfg, pretrained=None)
+        g = torch.Generator().manual_seed(1)
+        batches = []
+        for b in range(2):
+            n = model.image_size
+            images = torch.randn(16, 3, n, n, generator=g)
+            words = ["red", "blue", "green", "circle", "square", "star", "small", "big"]
+            texts = model.tokenizer(
+                [f"{words[i % 8]} {words[(i * 3 + b) % 8]} x{i}" for i in range(16)]
+            )
+            batches.append({"image": images[rows], "text": texts[rows]})
+        ctx = _ctx(model)
+        names = [n for n, _ in trainable(model)]
+        f = importance_pass(model, iter(batches), fisher_objective, ctx, square=True)
+        om = importance_pass(model, iter(batches), mas_objective, ctx, square=False)
+        res[f"{kind}/fisher"] = dict(zip(names, f))
+        res[f"{kind}/mas"] = dict(zip(names, om))
+    return res
+
+
+def _importance_worker(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        res = _importances(slice(rank * 8, (rank + 1) * 8))
+        if rank == 0:
+            torch.save(res, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_importance_two_processes_equal_one(tmp_path):
+    """Fisher (ITC + MLM over the global batch) and MAS importance with 2 processes × 8 rows
+    equal 1 process × 16 rows: gradients are averaged over ranks before squaring / abs."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "two.pt")
+    mp.spawn(_importance_worker, args=(port, out), nprocs=2, join=True)
+    two, one = torch.load(out, weights_only=True), _importances(slice(0, 16))
+    assert set(two) == set(one) == {"fusion/fisher", "fusion/mas"}
+    for key in one:
+        assert set(one[key]) == set(two[key])
+        assert sum(float(t.sum()) for t in one[key].values()) > 0, key
+        for n, a in one[key].items():
+            b = two[key][n]
+            assert float((a - b).abs().max()) <= 1e-4 * float(a.abs().max()) + 1e-12, (key, n)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from cvl.dist import gather_no_grad, local_rows
+from cvl.dist import all_reduce_mean, gather_no_grad, local_rows, world_size
 from cvl.errors import CvlError
 from cvl.losses import clip_loss
 
@@ -200,7 +200,10 @@ def mlm_term(model: Any, batch: dict[str, Any], out: dict[str, torch.Tensor], ct
 
     The masking is drawn from `ctx.generator` for the whole global batch and this rank keeps
     its rows, so N processes mask exactly as one process would; a teacher (momentum or old
-    model) can be queried on the same `masked` ids.
+    model) can be queried on the same `masked` ids. With N processes the loss is the mean over
+    the masked tokens of the *global* batch (each rank scales its mean by its share of them),
+    so the rank-averaged gradient is the one-process gradient also when ranks mask different
+    numbers of tokens (EWC's Fisher squares it).
     """
     model.require_fusion("MLM")
     tokens = batch["text"]
@@ -210,4 +213,8 @@ def mlm_term(model: Any, batch: dict[str, Any], out: dict[str, torch.Tensor], ct
     loss, logits, labels = model.mlm_loss(
         out["image_embeds"], tokens, masked=(masked, labels), image_atts=out.get("image_atts")
     )
+    if world_size() > 1:
+        n_local = (labels != -100).sum().float()
+        n_global = all_reduce_mean(n_local) * world_size()
+        loss = loss * (n_local * world_size() / n_global.clamp(min=1.0))
     return loss, logits, masked, labels

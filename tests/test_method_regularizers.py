@@ -362,13 +362,21 @@ def _importances(rows: slice) -> dict:
     return res
 
 
+def _cross_rank(rows: slice) -> dict:
+    """Everything with cross-rank state, on this process's rows: the importance passes and one
+    LwF (logit variant: similarity matrices over the global batch) loss + backward."""
+    from distill_helpers import _step
+
+    return {"importance": _importances(rows), "lwf": _step("lwf", {"variant": "logits"}, rows)}
+
+
 def _importance_worker(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        res = _importances(slice(rank * 8, (rank + 1) * 8))
+        res = _cross_rank(slice(rank * 8, (rank + 1) * 8))
         if rank == 0:
             torch.save(res, out)
     finally:
@@ -376,19 +384,22 @@ def _importance_worker(rank: int, port: int, out: str) -> None:
 
 
 @pytest.mark.slow
-def test_importance_two_processes_equal_one(tmp_path):
-    """Fisher (ITC + MLM over the global batch) and MAS importance with 2 processes × 8 rows
-    equal 1 process × 16 rows: gradients are averaged over ranks before squaring / abs."""
+def test_cross_rank_state_two_processes_equal_one(tmp_path):
+    """One shared 2-process run (2 × 8 rows vs 1 × 16 rows): Fisher (ITC + MLM over the global
+    batch) and MAS importance of the fusion model — gradients averaged over ranks before
+    squaring / abs — and LwF's logit distillation (loss and averaged gradients)."""
     import socket
 
     import torch.multiprocessing as mp
+    from distill_helpers import assert_same_gradients
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = str(tmp_path / "two.pt")
     mp.spawn(_importance_worker, args=(port, out), nprocs=2, join=True)
-    two, one = torch.load(out, weights_only=True), _importances(slice(0, 16))
+    res2, res1 = torch.load(out, weights_only=True), _cross_rank(slice(0, 16))
+    two, one = res2["importance"], res1["importance"]
     assert set(two) == set(one) == {"fusion/fisher", "fusion/mas"}
     for key in one:
         assert set(one[key]) == set(two[key])
@@ -396,3 +407,8 @@ def test_importance_two_processes_equal_one(tmp_path):
         for n, a in one[key].items():
             b = two[key][n]
             assert float((a - b).abs().max()) <= 1e-4 * float(a.abs().max()) + 1e-12, (key, n)
+    (v2, g2), (v1, g1) = res2["lwf"], res1["lwf"]
+    assert set(v1) == {"itc", "lwf_kd"} and v1["lwf_kd"] > 0
+    for k in v1:
+        assert v2[k] == pytest.approx(v1[k], rel=1e-5, abs=1e-7), k
+    assert_same_gradients(g1, g2)

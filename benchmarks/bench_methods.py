@@ -6,6 +6,12 @@ optimizer step over the task's steps after a short warm-up. Each run is repeated
 times, interleaved with SeqF's, and the fastest median of each is kept (load from other
 processes only ever slows a run down), so the ratio to SeqF is robust to a busy machine.
 
+Beside each ratio: the method's arithmetic floor (what its extra forward passes cost if the
+model's compute dominated a step: a no-grad forward ≈ 1/3 of a forward + backward) and its
+per-task extra cost outside the steps — importance passes after a task (EWC, MAS, RWalk,
+AFEC's Fisher), buffer selection (mof / kmeans features + selection), AFEC's expanded epochs —
+in seconds and as a multiple of one SeqF epoch (steps per epoch × SeqF step time).
+
     python benchmarks/bench_methods.py [--methods ctp,modx,...] [--steps 30] [--repeats 3]
 """
 
@@ -22,10 +28,34 @@ from pathlib import Path
 
 import torch
 
+# Arithmetic floor of each method's step / SeqF step, and why (see the module docstring).
+FLOORS = {
+    "ctp": (5 / 3, "two extra no-grad forwards (momentum, reference)"),
+    "modx": (4 / 3, "one extra no-grad forward"),
+    "dkr": (4 / 3, "one extra no-grad forward"),
+    "dha": (1.0, "one _foreach pass over the weights"),
+    "ewc": (1.0, "fused penalty: a few _foreach passes over the weights"),
+    "si": (1.0, "fused penalty + path integral: _foreach passes"),
+    "mas": (1.0, "fused penalty"),
+    "rwalk": (1.0, "fused penalty + path integral"),
+    "afec": (1.0, "fused penalties (the expanded epochs are per-task extra)"),
+    "lwf": (4 / 3, "one extra no-grad forward (old model)"),
+    "icarl": (4 / 3, "one extra no-grad forward (old model)"),
+    "lucir": (4 / 3, "one extra no-grad forward (old model)"),
+}
+EXTRAS = {
+    "incclip": {"buffer": "reservoir", "buffer_size": 256, "method_args": {}},
+    "icarl": {"buffer": "mof", "buffer_size": 64},
+    "lucir": {"buffer": "mof", "buffer_size": 64},
+}
+
 
 def step_times(
     stream: Path, out: Path, method: str, model: str, steps: int, batch: int, extra: dict
-) -> float:
+) -> dict:
+    """Median step time of task 2, and the per-task extras measured around the hooks."""
+    from cvl.methods.buffers import Buffer
+    from cvl.methods.registry import get_method
     from cvl.runs import finished_tasks
     from cvl.train.config import resolve
     from cvl.train.loop import Trainer
@@ -46,46 +76,102 @@ def step_times(
             **extra,
         },
     )
-    with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the JSON
-        Trainer(cfg, progress=False).run()
+    cls = get_method(method)
+    timed: dict[str, list[float]] = {
+        "after_task": [],
+        "buffer": [],
+        "expanded_epoch": [],
+        "before_step": [],
+        "after_backward": [],
+        "after_step": [],
+    }
+    patches = [(cls, "after_task", "after_task"), (Buffer, "update", "buffer")]
+    patches += [(cls, h, h) for h in ("before_step", "after_backward", "after_step")]
+    if hasattr(cls, "_expanded_epoch"):
+        patches.append((cls, "_expanded_epoch", "expanded_epoch"))
+    saved = [(owner, attr, owner.__dict__.get(attr)) for owner, attr, _ in patches]
+
+    def timer(fn, key):
+        def wrapped(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                timed[key].append(time.perf_counter() - t0)
+
+        return wrapped
+
+    for owner, attr, key in patches:
+        setattr(owner, attr, timer(getattr(owner, attr), key))
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the JSON
+            Trainer(cfg, progress=False).run()
+    finally:
+        for owner, attr, orig in saved:
+            if orig is None:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, orig)
     log = [
         json.loads(x)
         for x in (finished_tasks(out)[-1].path / "train_log.jsonl").read_text().splitlines()
     ]
     per_step = [batch / r["samples_per_s"] for r in log[3:]]
-    return statistics.median(per_step)
+    hooks = sum(
+        statistics.median(timed[h]) if timed[h] else 0.0
+        for h in ("before_step", "after_backward", "after_step")
+    )
+    return {
+        "step": statistics.median(per_step),
+        # the method's own per-step hooks (penalty, path integral, blends), median per call:
+        # measured inside the run, so its share of the step survives a busy machine
+        "hooks": hooks,
+        # task 0's hooks (after the last task, importance passes are skipped)
+        "after_task": timed["after_task"][0] if timed["after_task"] else 0.0,
+        "buffer": timed["buffer"][0] if timed["buffer"] else 0.0,
+        "expanded_epoch": statistics.mean(timed["expanded_epoch"])
+        if timed["expanded_epoch"]
+        else 0.0,
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--methods", default="ctp,modx,dkr,dha,incclip")
+    ap.add_argument(
+        "--methods", default="ctp,modx,dkr,dha,incclip,ewc,si,mas,rwalk,afec,lwf,icarl,lucir"
+    )
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--fusion", type=int, default=1, help="also time fusion for fusion-term methods"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from cvl.methods.registry import all_methods
     from cvl.streams.synthetic import SynthSpec, build_synthetic
 
-    extras = {"incclip": {"buffer": "reservoir", "buffer_size": 256, "method_args": {}}}
+    fusion_too = {"ctp", "lwf", "lucir", "mas"}  # fusion-only terms (MLM distillation, CLS)
     results = {}
+    steps_per_epoch = 8
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         stream = tmp / "stream"
         build_synthetic(
-            stream, SynthSpec(tasks=2, per_task=args.batch_size * 8, seed=0), progress=False
+            stream,
+            SynthSpec(tasks=2, per_task=args.batch_size * steps_per_epoch, seed=0),
+            progress=False,
         )
         runs = []
         for name in args.methods.split(","):
             if name not in all_methods():
                 results[name] = {"error": "not registered"}
                 continue
-            runs += [
-                (name, model) for model in (("clip", "fusion") if name == "ctp" else ("clip",))
-            ]
+            models = ("clip", "fusion") if name in fusion_too and args.fusion else ("clip",)
+            runs += [(name, model) for model in models]
         runs = sorted({("seqft", model) for _, model in runs}) + runs
-        best: dict[tuple[str, str], float] = {}
+        best: dict[tuple[str, str], dict] = {}
         for r in range(args.repeats):
             for name, model in runs:
                 t = step_times(
@@ -95,22 +181,43 @@ def main() -> None:
                     model,
                     args.steps,
                     args.batch_size,
-                    extras.get(name, {}),
+                    EXTRAS.get(name, {}),
                 )
-                best[(name, model)] = min(t, best.get((name, model), float("inf")))
+                prev = best.get((name, model))
+                best[(name, model)] = (
+                    t if prev is None else {k: min(v, prev[k]) for k, v in t.items()}
+                )
         for (name, model), t in best.items():
             if name == "seqft":
                 continue
-            base = best[("seqft", model)]
-            results[f"{name}/{model}"] = {
-                "step_s": round(t, 4),
+            base = best[("seqft", model)]["step"]
+            epoch = base * steps_per_epoch
+            floor, why = FLOORS.get(name, (None, ""))
+            ratio = t["step"] / base
+            res = {
+                "step_s": round(t["step"], 4),
                 "seqft_step_s": round(base, 4),
-                "ratio": round(t / base, 3),
+                "ratio": round(ratio, 3),
+                "floor": None if floor is None else round(floor, 3),
+                "ratio_over_floor": None if floor is None else round(ratio / floor, 3),
+                "floor_is": why,
             }
+            res["hooks_ms_per_step"] = round(1000 * t["hooks"], 2)
+            res["hooks_share_of_step"] = round(t["hooks"] / t["step"], 4)
+            extra = {
+                k: (round(t[k], 3), round(t[k] / epoch, 2))
+                for k in ("after_task", "buffer", "expanded_epoch")
+                if t[k] > 0.005
+            }
+            if extra:
+                res["per_task_extra_s_and_epochs"] = extra
+            results[f"{name}/{model}"] = res
     print(
         json.dumps(
             {
                 "benchmark": "method step time / seqft step time (task 2, median)",
+                "steps_per_epoch": steps_per_epoch,
+                "extra_format": "[seconds, multiple of one seqft epoch]",
                 "batch_size": args.batch_size,
                 "threads": args.threads,
                 "steps": args.steps,

@@ -112,3 +112,32 @@ def js_rows(target: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     kl_a = (torch.xlogy(a, a) - a * log_m).sum(-1)
     kl_b = (b * (log_b - log_m)).sum(-1)
     return kl_a + kl_b
+
+
+# -- distillation from a teacher (old / momentum model) -----------------------------------------
+
+
+def global_mlm_distillation(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor, temp: float
+) -> torch.Tensor:
+    """`mlm_distillation` averaged over the masked positions of the *global* batch.
+
+    Each rank returns (its sum) · world / (global count), so the rank-averaged gradient is the
+    one-process gradient even when ranks mask different numbers of tokens. Used by CTP (from
+    the momentum model), LwF, iCaRL and LUCIR (from the previous task's model).
+    """
+    from cvl.dist import all_reduce_mean, world_size
+    from cvl.models.fusion import IGNORE_INDEX, mlm_distillation
+
+    n_local = (labels != IGNORE_INDEX).sum().float()
+    n_global = all_reduce_mean(n_local) * world_size()
+    loss = mlm_distillation(student_logits, teacher_logits, labels, temp)
+    return loss * n_local * world_size() / n_global.clamp(min=1.0)
+
+
+def cosine_distance(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean over all leading positions of 1 − cos(x, target) along the last dimension.
+
+    `target` (the old model's states) carries no gradient. LUCIR's "less-forget" term.
+    """
+    return (1.0 - F.cosine_similarity(x, target.detach(), dim=-1)).mean()

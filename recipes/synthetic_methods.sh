@@ -4,15 +4,17 @@
 # old-vs-new distillation. The papers' regime (a pretrained start, tasks that share
 # vocabulary) is recipes/synthetic_benchmark.sh.
 # Usage: recipes/synthetic_methods.sh [OUT_DIR] [SEED]      (RUNS="seqft modx" to choose;
-#        variants: modx-mean, incclip-tau0, ctp-fusion-nomoco)
+#        variants: modx-mean, incclip-tau0, ctp-fusion-nomoco, lwf-logits, lwf-fusion,
+#        lucir-fusion; CTP Table 1 baselines: ewc si mas rwalk afec lwf icarl lucir)
 # 5 tasks, 2000 + 4 x 1000 pairs, tiny RN CLIP,
 # 4 epochs per task, batch 64); replay sizes: ER / DHA ring 300 pairs (5 % of the stream),
-# IncCLIP memory 600 (10 %, as in the paper). Ends with `cvl eval --compare` of all runs.
+# IncCLIP memory 600 (10 %, as in the paper), iCaRL / LUCIR herding (mof) buffer 300 (as ER).
+# Ends with `cvl eval --compare` of all runs.
 set -euo pipefail
 OUT=${1:-synthetic-methods}
 SEED=${2:-0}
 CVL=${CVL:-.venv/bin/cvl}
-RUNS=${RUNS:-"seqft joint er modx dkr dha-dagger dha ctp incclip seqft-fusion ctp-fusion"}
+RUNS=${RUNS:-"seqft joint er modx dkr dha-dagger dha ctp incclip seqft-fusion ctp-fusion ewc si mas rwalk afec lwf icarl lucir"}
 COMMON=(--epochs 4 --batch-size 64 --seed "$SEED" --log-with none --quiet)
 
 args_of() {
@@ -30,10 +32,22 @@ args_of() {
     # the random tiny fusion model back onto its ITC plateau (ln B) and it stops learning
     seqft-fusion) echo "--method seqft --model fusion --warmup 0.1" ;;
     ctp-fusion) echo "--method ctp --model fusion --warmup 0.1" ;;
+    # CTP Table 1 baselines (defaults: the CTP code's λ values)
+    ewc) echo "--method ewc" ;;
+    si) echo "--method si" ;;
+    mas) echo "--method mas" ;;
+    rwalk) echo "--method rwalk" ;;
+    afec) echo "--method afec" ;;
+    lwf) echo "--method lwf" ;;
+    icarl) echo "--method icarl --buffer mof --buffer-size 300" ;;
+    lucir) echo "--method lucir --buffer mof --buffer-size 300" ;;
     # variants (not in the default RUNS): what limits a method on this short stream
     modx-mean) echo "--method modx --method-arg reduction=mean" ;;
     incclip-tau0) echo "--method incclip --buffer reservoir --buffer-size 600 --method-arg tau_old=0" ;;
     ctp-fusion-nomoco) echo "--method ctp --model fusion --warmup 0.1 --method-arg momentum_weight=0" ;;
+    lwf-logits) echo "--method lwf --method-arg variant=logits" ;;
+    lwf-fusion) echo "--method lwf --model fusion --warmup 0.1" ;;
+    lucir-fusion) echo "--method lucir --model fusion --warmup 0.1 --buffer mof --buffer-size 300" ;;
     *) echo "unknown run '$1'" >&2; exit 2 ;;
   esac
 }

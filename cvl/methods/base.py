@@ -6,7 +6,10 @@ momentum or historical models, queues, importance weights). Replay buffers are s
 (`cvl.methods.buffers`) and combine with any method.
 
 Hook order per task: `before_task` → for every step [`before_step` → forward →
-`loss` → backward/optimizer → `after_step`] → `after_task`. On resume mid-task the loop calls
+`loss` → backward (per micro-batch) → gradients averaged over ranks → `after_backward` →
+clipping → optimizer step → `after_step`] → `after_task`. `after_backward` sees the averaged
+gradient of the loss terms (e.g. SI's unregularised gradient) and may add to `p.grad` (an
+analytic penalty gradient) before clipping and the step. On resume mid-task the loop calls
 `before_task(ctx)` (with `ctx.resuming` True) and then `load_state_dict(saved)`, so state that
 evolves during a task (momentum/historical models, queues) must be in `state_dict()`; state
 fixed at task start (the previous task's model) is rebuilt by `before_task` from disk through
@@ -22,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from cvl.dist import gather_no_grad, local_rows
+from cvl.dist import all_reduce_mean, gather_no_grad, local_rows, world_size
 from cvl.errors import CvlError
 from cvl.losses import clip_loss
 
@@ -140,6 +143,10 @@ class Method:
     ) -> dict[str, torch.Tensor]:
         return base_loss(ctx.model, batch, out, ctx)
 
+    def after_backward(self, ctx: TaskContext) -> None:
+        """Once per optimizer step: gradients are summed over micro-batches and averaged over
+        ranks, not yet clipped or applied (read them, or add an analytic gradient to them)."""
+
     def after_step(self, ctx: TaskContext) -> None:
         pass
 
@@ -193,7 +200,10 @@ def mlm_term(model: Any, batch: dict[str, Any], out: dict[str, torch.Tensor], ct
 
     The masking is drawn from `ctx.generator` for the whole global batch and this rank keeps
     its rows, so N processes mask exactly as one process would; a teacher (momentum or old
-    model) can be queried on the same `masked` ids.
+    model) can be queried on the same `masked` ids. With N processes the loss is the mean over
+    the masked tokens of the *global* batch (each rank scales its mean by its share of them),
+    so the rank-averaged gradient is the one-process gradient also when ranks mask different
+    numbers of tokens (EWC's Fisher squares it).
     """
     model.require_fusion("MLM")
     tokens = batch["text"]
@@ -203,4 +213,8 @@ def mlm_term(model: Any, batch: dict[str, Any], out: dict[str, torch.Tensor], ct
     loss, logits, labels = model.mlm_loss(
         out["image_embeds"], tokens, masked=(masked, labels), image_atts=out.get("image_atts")
     )
+    if world_size() > 1:
+        n_local = (labels != -100).sum().float()
+        n_global = all_reduce_mean(n_local) * world_size()
+        loss = loss * (n_local * world_size() / n_global.clamp(min=1.0))
     return loss, logits, masked, labels

@@ -72,8 +72,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cvl.dist import all_reduce_mean, gather_no_grad, gather_with_grad, local_rows, world_size
-from cvl.losses import clip_loss, kl_rows
+from cvl.dist import gather_no_grad, gather_with_grad, local_rows
+from cvl.losses import clip_loss, global_mlm_distillation, kl_rows
 from cvl.methods.base import Method, TaskContext, frozen_copy, mlm_term
 from cvl.methods.registry import register
 
@@ -165,22 +165,6 @@ def topology_terms(
     cross = (kl_rows(i2t_r / temp, i2t / temp) + kl_rows(t2i_r / temp, t2i / temp)) / 2
     same = (kl_rows(i2i_r / temp, i2i / temp) + kl_rows(t2t_r / temp, t2t / temp)) / 2
     return cross, same
-
-
-def global_mlm_distillation(
-    student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor, temp: float
-) -> torch.Tensor:
-    """`mlm_distillation` averaged over the masked positions of the *global* batch.
-
-    Each rank returns (its sum) · world / (global count), so the rank-averaged gradient is the
-    one-process gradient even when ranks mask different numbers of tokens.
-    """
-    from cvl.models.fusion import IGNORE_INDEX, mlm_distillation
-
-    n_local = (labels != IGNORE_INDEX).sum().float()
-    n_global = all_reduce_mean(n_local) * world_size()
-    loss = mlm_distillation(student_logits, teacher_logits, labels, temp)
-    return loss * n_local * world_size() / n_global.clamp(min=1.0)
 
 
 def _note(ctx: TaskContext, msg: str) -> None:

@@ -18,6 +18,14 @@ METHOD_MODULES = [
     "cvl.methods.dkr",
     "cvl.methods.dha",
     "cvl.methods.incclip",
+    "cvl.methods.ewc",
+    "cvl.methods.si",
+    "cvl.methods.mas",
+    "cvl.methods.rwalk",
+    "cvl.methods.afec",
+    "cvl.methods.lwf",
+    "cvl.methods.icarl",
+    "cvl.methods.lucir",
 ]
 
 

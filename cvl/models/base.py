@@ -9,7 +9,8 @@ A `VLModel` is an `nn.Module` with:
 - `logit_scale() -> Tensor`: the multiplier 1/τ applied to cosine similarities (CLIP: learnable,
   `exp` of a parameter clamped at 100; fusion: fixed 1/0.07);
 - `forward(images, tokens) -> dict` with at least `image_features`, `text_features`
-  (normalised) and `logit_scale`; the fusion model adds `image_embeds` (ViT tokens),
+  (normalised), `image_raw`, `text_raw` (the same projections before normalisation: MAS
+  importance, LwF's feature distillation) and `logit_scale`; the fusion model adds `image_embeds` (ViT tokens),
   `image_atts`, `text_cls` / `image_cls` (un-projected CLS states) and `text_hidden`;
 - `has_fusion`: whether the fusion encoder (cross-attention + MLM head) exists; then also
   `mask_tokens(tokens, generator, prob=0.15) -> (masked_ids, labels)`,
@@ -29,6 +30,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from cvl.errors import CvlError
@@ -57,9 +59,13 @@ class VLModel(nn.Module):
         raise NotImplementedError
 
     def forward(self, images: torch.Tensor, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+        image_raw = self.encode_image(images, normalize=False)
+        text_raw = self.encode_text(tokens, normalize=False)
         return {
-            "image_features": self.encode_image(images),
-            "text_features": self.encode_text(tokens),
+            "image_features": F.normalize(image_raw, dim=-1),
+            "text_features": F.normalize(text_raw, dim=-1),
+            "image_raw": image_raw,
+            "text_raw": text_raw,
             "logit_scale": self.logit_scale(),
         }
 

@@ -457,9 +457,12 @@ class FusionModel(VLModel):
         image_atts = torch.ones(image_embeds.shape[:2], dtype=torch.long, device=images.device)
         text_hidden = self.text_hidden(tokens)
         image_cls, text_cls = image_embeds[:, 0], text_hidden[:, 0]
+        image_raw, text_raw = self.vision_proj(image_cls), self.text_proj(text_cls)
         out = {
-            "image_features": F.normalize(self.vision_proj(image_cls), dim=-1),
-            "text_features": F.normalize(self.text_proj(text_cls), dim=-1),
+            "image_features": F.normalize(image_raw, dim=-1),
+            "text_features": F.normalize(text_raw, dim=-1),
+            "image_raw": image_raw,
+            "text_raw": text_raw,
             "logit_scale": self.logit_scale(),
             "image_embeds": image_embeds,
             "image_atts": image_atts,

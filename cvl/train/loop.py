@@ -80,8 +80,9 @@ class Trainer:
         self.method_cls = get_method(cfg.method)
         self.method: Method = self.method_cls(cfg.method_args)
         if self.method.needs_buffer and not cfg.buffer:
+            hint = getattr(self.method, "buffer_hint", "reservoir")
             raise CvlError(
-                f"method '{cfg.method}' needs a replay buffer: add --buffer reservoir --buffer-size N"
+                f"method '{cfg.method}' needs a replay buffer: add --buffer {hint} --buffer-size N"
             )
         self._prepare_run_dir(force)
         self._entries: dict[str, list] = {}
@@ -440,6 +441,7 @@ class Trainer:
                 micro = 0
                 params = self._params()
                 average_gradients(params)
+                self.method.after_backward(ctx)
                 gnorm = None
                 if cfg.grad_clip > 0:
                     gnorm = float(acc.clip_grad_norm_(params, cfg.grad_clip))

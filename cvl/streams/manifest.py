@@ -7,7 +7,9 @@ A stream is a folder::
     eval/<set>/<task>/000000.tar ... per-task evaluation sets (test, val, query, gallery)
     build_report.json                what the builder read, kept and dropped, and why
 
-Schema ``cvl.stream/1`` (all paths are relative to the stream folder unless absolute)::
+Schema ``cvl.stream/1`` (shard paths are relative to the stream folder, without ``..``; a
+shard whose real path leaves the folder is refused unless it goes through a declared source
+link ``sources[].link``, the symlinks a composed stream keeps in ``sources/``)::
 
     {
       "schema": "cvl.stream/1",
@@ -219,8 +221,11 @@ def _shardset(d: Any, where: str, allow_empty: bool = False) -> ShardSet:
     for i, s in enumerate(shards):
         if not isinstance(s, str) or not s:
             raise _err(f"{where}.shards[{i}]", "must be a non-empty path string")
-        if ".." in Path(s).parts:
-            raise _err(f"{where}.shards[{i}]", f"path '{s}' escapes the stream folder")
+        if ".." in Path(s).parts or Path(s).is_absolute() or "\x00" in s:
+            raise _err(
+                f"{where}.shards[{i}]",
+                f"path {s!r} escapes the stream folder (shard paths are relative, no '..')",
+            )
     if count > 0 and not shards:
         raise _err(f"{where}.shards", "is empty but count > 0")
     return ShardSet(shards=list(shards), count=count)
@@ -347,7 +352,32 @@ def load_manifest(stream: str | os.PathLike, check_files: bool = True) -> Manife
                 if not s.is_file():
                     raise CvlError(f"stream '{m.name}': benchmark '{bname}': missing shard {s}")
         check_sources(m)
+        check_inside(m)
     return m
+
+
+def check_inside(m: Manifest) -> None:
+    """Every shard's real path (symlinks resolved) lies in the stream folder, or in a source
+    stream reached through a declared `sources[].link` (composed streams)."""
+    root = m.root.resolve() if m.root is not None else None
+    if root is None:
+        return
+    allowed = [root]
+    for s in m.sources:
+        link = str(s.get("link") or "")
+        if link and not Path(link).is_absolute() and ".." not in Path(link).parts:
+            allowed.append((root / link).resolve())
+    sets = [("task", t, m.train_shards(t)) for t in m.task_order]
+    sets += [(f"eval set '{n}'", t, m.eval_shards(n, t)) for n, e in m.eval_sets.items() for t in e.tasks]
+    sets += [("benchmark", b, m.benchmark_shards(b)) for b in m.benchmarks]
+    for kind, name, shards in sets:
+        for sh in shards:
+            real = sh.resolve()
+            if not any(real.is_relative_to(a) for a in allowed):
+                raise CvlError(
+                    f"stream '{m.name}': {kind} '{name}': shard {sh} resolves to {real}, "
+                    "outside the stream folder (only sources/ links may point elsewhere)"
+                )
 
 
 def file_sha256(path: Path) -> str:

@@ -91,10 +91,15 @@ def recover_dir(out: str | os.PathLike) -> Path | None:
 
     `atomic_dir` renames the old folder to `.NAME.old-PID` and then the new one to `out`; a
     kill between the two renames leaves no `out` but a complete old copy, which this renames
-    back (newest first). Returns the restored path, or None when there was nothing to do.
+    back (newest first); half-written temp folders of killed writers are removed. Call it
+    only from the folder's single writer. Returns the restored path, or None.
     """
     out = Path(out)
-    if out.exists() or not out.parent.is_dir():
+    if not out.parent.is_dir():
+        return None
+    for partial in out.parent.glob(f".{out.name}.*.partial"):  # a killed writer's temp folder
+        shutil.rmtree(partial, ignore_errors=True)
+    if out.exists():
         return None
     olds = sorted(
         out.parent.glob(f".{out.name}.old-*"), key=lambda p: p.stat().st_mtime, reverse=True

@@ -211,6 +211,14 @@ def _req(d: dict, key: str, typ: type | tuple, where: str) -> Any:
     return v
 
 
+def _check_name(name: str, where: str) -> None:
+    """Task, eval-set and benchmark names become file names in run folders (tasks/NN-name,
+    logs/NN-name.jsonl, eval/cache/...): one plain path component, never '..' or hidden."""
+    bad = not name or name.startswith(".") or any(c in name for c in "/\\\x00")
+    if bad or any(ord(c) < 32 for c in name):
+        raise _err(where, f"name {name!r} cannot be a file name (no '/', '\\', NUL, leading '.')")
+
+
 def _shardset(d: Any, where: str, allow_empty: bool = False) -> ShardSet:
     if not isinstance(d, dict):
         raise _err(where, "must be an object with 'shards' and 'count'")
@@ -249,6 +257,7 @@ def manifest_from_json(d: Any, root: Path | None = None) -> Manifest:
     tasks: dict[str, TaskInfo] = {}
     for tname, td in tasks_d.items():
         where = f"tasks['{tname}']"
+        _check_name(tname, where)
         if not isinstance(td, dict):
             raise _err(where, "must be an object")
         extra = {k: v for k, v in td.items() if k not in ("train", "description", "categories")}
@@ -272,6 +281,7 @@ def manifest_from_json(d: Any, root: Path | None = None) -> Manifest:
     eval_sets: dict[str, EvalSet] = {}
     for sname, sd in (d.get("eval_sets") or {}).items():
         where = f"eval_sets['{sname}']"
+        _check_name(sname, where)
         if not isinstance(sd, dict):
             raise _err(where, "must be an object")
         kind = _req(sd, "kind", str, where)
@@ -290,6 +300,7 @@ def manifest_from_json(d: Any, root: Path | None = None) -> Manifest:
         raise _err("benchmarks", "must be an object")
     for bname, b in bd.items():
         where = f"benchmarks['{bname}']"
+        _check_name(bname, where)
         if not isinstance(b, dict):
             raise _err(where, "must be an object")
         kind = _req(b, "kind", str, where)

@@ -152,7 +152,10 @@ def parse_method_args(items: tuple[str, ...]) -> dict[str, Any]:
         if "=" not in it:
             raise CvlError(f"--method-arg '{it}': expected NAME=VALUE")
         k, v = it.split("=", 1)
-        out[k.strip()] = yaml.safe_load(v)
+        try:
+            out[k.strip()] = yaml.safe_load(v)
+        except yaml.YAMLError as e:
+            raise CvlError(f"--method-arg '{it}': {str(e).splitlines()[0]}") from None
     return out
 
 

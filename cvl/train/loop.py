@@ -58,6 +58,14 @@ def cosine_schedule(total: int, warmup: float, base_lr: float, min_lr: float):
     return f
 
 
+def _manifest_sha(m: Manifest) -> str | None:
+    """SHA-256 of the stream's stream.json: a stream rebuilt in place changes it (`created`)."""
+    from cvl.streams.manifest import MANIFEST, file_sha256
+
+    f = m.root / MANIFEST if m.root is not None else None
+    return file_sha256(f) if f is not None and f.is_file() else None
+
+
 class Trainer:
     """Runs (or resumes) `cfg` into `cfg.out`; call `run()`."""
 
@@ -116,6 +124,7 @@ class Trainer:
                 "name": m.name,
                 "task_order": list(m.task_order),
                 "fingerprint": m.fingerprint,
+                "manifest_sha256": _manifest_sha(m),
             },
             "versions": {
                 "cvl": __version__,
@@ -147,6 +156,10 @@ class Trainer:
             diff = config_diff(old.get("config", {}), cfg.to_json())
             if old.get("stream", {}).get("fingerprint") != self.manifest.fingerprint:
                 diff.append("stream: content differs (name, seed, task order or counts)")
+            elif old.get("stream", {}).get("manifest_sha256", _manifest_sha(self.manifest)) != (
+                _manifest_sha(self.manifest)
+            ):
+                diff.append("stream: stream.json was rewritten since the run started (rebuilt?)")
             if diff and not force:
                 raise CvlError(
                     f"{self.out} holds a run with another config ({'; '.join(diff)}); "
@@ -511,7 +524,7 @@ class Trainer:
         if float(all_reduce_mean(torch.tensor(float(bool(bad))))) == 0.0:
             return False
         self.nonfinite_skipped = getattr(self, "nonfinite_skipped", 0) + 1
-        vals = ", ".join(f"{k}={float(v):.4g}" for k, v in terms.items() if k in bad)
+        vals = ", ".join(f"{k}={float(v.detach()):.4g}" for k, v in terms.items() if k in bad)
         where = f"task {ctx.task_name} (index {ctx.task_index}), step {ctx.step + 1}"
         ids = [str(i) for i in batch.get("id", [])]
         if self.nonfinite_skipped > self.cfg.skip_nonfinite:

@@ -18,7 +18,11 @@ import torch
 from cvl.cli import main
 
 if __name__ == "__main__":
+    import accelerate
+
     torch.set_num_threads(1)
+    # end_training() destroys the process group; the next command needs it (no trackers here)
+    accelerate.Accelerator.end_training = lambda self: None
     commands = json.loads(open(sys.argv[1]).read())
     results: dict[str, object] = {}
     for name, argv in commands.items():

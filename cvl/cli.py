@@ -18,6 +18,7 @@ from cvl.errors import CvlError
 # (module, attribute) of every subcommand, in the order `cvl --help` lists them.
 SUBCOMMANDS = [
     ("cvl.streams.cli", "build_stream"),
+    ("cvl.streams.pseudolabel", "pseudo_label"),
     ("cvl.train.cli", "train"),
     ("cvl.evaluation.cli", "eval_cmd"),
     ("cvl.analysis.cli", "analyze"),

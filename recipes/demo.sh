@@ -13,7 +13,7 @@
 #        dha-dagger; SEED=N; recipes/synthetic_benchmark.sh runs it over 3 seeds)
 # Rerunning reuses what is finished (stream, runs, evaluations). What was traded for the
 # 5-minute budget (against recipes/synthetic_methods.sh): 600 pairs per task and 2 epochs
-# (instead of 1,000-2,000 and 4), 100 test pairs per task, no linear probe or zero-shot
+# (instead of 1,000-2,000 and 4), 128 test pairs per task, no linear probe or zero-shot
 # classification in the evaluation. Every method keeps its paper defaults.
 set -euo pipefail
 OUT=${1:-demo-out}
@@ -30,7 +30,7 @@ if [ -f "$STREAM/stream.json" ]; then
   echo "reusing $STREAM"
 else
   "$CVL" build-stream synthetic --out "$STREAM" --tasks 5 --per-task 600 --pretrain 2000 \
-    --test-per-task 100 --val-per-task 50 --query-per-task 30 --gallery-per-task 100 \
+    --test-per-task 128 --val-per-task 50 --query-per-task 30 --gallery-per-task 100 \
     --seed "$SEED"
 fi
 

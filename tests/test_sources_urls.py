@@ -346,3 +346,104 @@ def test_table_errors(tmp_path):
 @pytest.mark.parametrize("src", ["cc12m", "cc3m"])
 def test_cc_missing_file(tmp_path, src):
     assert run(src, "--tsv", str(tmp_path / "none.tsv"), "--out", str(tmp_path / "o")) == 2
+
+
+@pytest.mark.slow
+def test_url_source_to_class_split_trains_and_evaluates(tmp_path, image_server, prefetched):  # noqa: F811
+    """CC12M fixture (loopback URLs) -> pseudo-label -> class split -> 1 training step -> eval."""
+    from pseudolabel_helpers import save_tiny_beit
+
+    tiny_beit = save_tiny_beit(tmp_path / "tiny-beit")
+    tsv = copy_fixture("cc12m.tsv", tmp_path, image_server.base)
+    pool = tmp_path / "pool"
+    args = ["--tsv", str(tsv), "--chunks", "1", "--test", "3"]
+    assert (
+        main(
+            [
+                "build-stream",
+                "cc12m",
+                *args,
+                "--out",
+                str(pool),
+                *fast_args(prefetched),
+                "--no-retry-failed",
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "pseudo-label",
+                "--stream",
+                str(pool),
+                "--model",
+                str(tiny_beit),
+                "--quiet",
+                "--batch-size",
+                "4",
+            ]
+        )
+        == 0
+    )
+    out = tmp_path / "cs"
+    assert (
+        main(
+            [
+                "build-stream",
+                "class-split",
+                "--from",
+                str(pool),
+                "--out",
+                str(out),
+                "--steps",
+                "2",
+                "--seed",
+                "1",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
+    m = load_manifest(out)
+    assert m.source == "cc12m" and all(m.tasks[t].train.count > 0 for t in m.task_order)
+    run = tmp_path / "run"
+    assert (
+        main(
+            [
+                "train",
+                "--stream",
+                str(out),
+                "--method",
+                "seqft",
+                "--model-config",
+                "tiny-vit",  # no BatchNorm: a task may hold a single pair
+                "--epochs",
+                "1",
+                "--max-steps-per-task",
+                "1",
+                "--batch-size",
+                "4",
+                "--log-with",
+                "none",
+                "--quiet",
+                "--out",
+                str(run),
+            ]
+        )
+        == 0
+    )
+    tmpl = tmp_path / "one_template.txt"  # 1000 classes x CLIP's 80 templates: minutes on CPU
+    tmpl.write_text("a photo of a {}.\n")
+    ev = ["eval", "--run", str(run), "--quiet", "--no-probe", "--no-init", "--no-plots"]
+    ev += ["--tasks", "last", "--zs-templates", str(tmpl)]
+    assert main(ev) == 0
+    met = json.loads((run / "eval" / "metrics.json").read_text())
+    assert "ZS-top1" in met["metrics"] and "ZS-all-top1" in met["metrics"]
+    last = met["rows"][-1]
+    infos = met["details"][last]
+    for t in m.task_order:
+        if "zeroshot" in infos[t]:  # a task with test images: its 500 classes vs all 1000
+            assert infos[t]["zeroshot"]["n_classes"] == 500
+            assert infos[t]["zeroshot_all"]["n_classes"] == 1000
+    assert any("zeroshot" in infos[t] for t in m.task_order)

@@ -37,6 +37,7 @@ SUMMARY_METRICS = [
     "mAP@10",
     "ZS-top1",
     "ZS-top5",
+    "ZS-all-top1",
     "LP-top1",
 ]
 MATRIX_METRICS = ["Rm", "TR@1", "IR@1", "mAP@1", "ZS-top1", "LP-top1"]

@@ -5,7 +5,10 @@ then `tasks/NN-<task>/model.safetensors` in training order) and each task j of t
 
 - cross-modal retrieval on task j's test set (`retrieval.py`),
 - multi-modal mAP@N of task j's queries against task j's gallery (`map.py`),
-- zero-shot classification of task j's test images among task j's categories (`zeroshot.py`),
+- zero-shot classification of task j's test images among task j's categories (`zeroshot.py`);
+  on a class-incremental stream (a `class_map` in the manifest) also among *all* classes of
+  the split (ZS-all-*), and in the cumulative sets among the classes seen so far (ZS-*) and
+  all classes (ZS-all-*): IncCLIP's seen-vs-all protocol,
 - a linear probe trained on (a subsample of) task j's training images (`probe.py`),
 
 which fills R[i][j] for every metric. The CTP protocol adds, for the model after task i, the
@@ -55,7 +58,7 @@ INIT_DIR = "init"
 
 RETRIEVAL_KEYS = ["TR@1", "TR@5", "TR@10", "IR@1", "IR@5", "IR@10", "Rm", "TR@mean", "IR@mean"]
 MAP_KEYS = [f"mAP@{n}{v}" for v in ("", "/code", "/pos") for n in (1, 5, 10)]
-ZS_KEYS = ["ZS-top1", "ZS-top5"]
+ZS_KEYS = ["ZS-top1", "ZS-top5", "ZS-all-top1", "ZS-all-top5"]
 PROBE_KEYS = ["LP-top1"]
 ALL_KEYS = RETRIEVAL_KEYS + MAP_KEYS + ZS_KEYS + PROBE_KEYS
 
@@ -374,6 +377,20 @@ def _labelled(e: Embeddings) -> bool:
     return len({c for c in e.categories if c is not None}) >= 2
 
 
+def _zs_ready(manifest: Any, e: Embeddings) -> bool:
+    """Zero-shot needs >= 2 categories in the set, or a class map (classes beyond the set)."""
+    if manifest.class_map:
+        return any(c is not None for c in e.categories)
+    return _labelled(e)
+
+
+def _zs_all(e: Embeddings, cls_feats: dict[str, torch.Tensor], names: list[str]) -> dict:
+    """Zero-shot of a set's images among every class of the split (class-incremental)."""
+    return zeroshot_classify(
+        e.image_features, e.categories, torch.stack([cls_feats[n] for n in names]), names
+    )
+
+
 @torch.no_grad()
 def evaluate_checkpoint(
     model: Any,
@@ -413,13 +430,16 @@ def evaluate_checkpoint(
         info[t]["retrieval"] = {"n_images": r.pop("n_images"), "n_texts": r.pop("n_texts")}
         per[t].update(r)
     cls_feats: dict[str, torch.Tensor] = {}
-    if opts.zeroshot and any(_labelled(e) for e in test.values()):
+    all_names = manifest.split_classes()  # class-incremental streams: every class of the split
+    if opts.zeroshot and any(_zs_ready(manifest, e) for e in test.values()):
         templates = load_templates(ctx.templates)
         names = _classes_of(manifest, list(test), list(test.values()))
-        cf = class_embeddings(model, names, templates, opts.batch_size)
+        have = set(names)
+        names += [n for n in all_names if n not in have]
+        cf = class_embeddings(model, manifest.prompt_names(names), templates, opts.batch_size)
         cls_feats = {n: cf[i] for i, n in enumerate(names)}
         for t, e in test.items():
-            if not _labelled(e):
+            if not _zs_ready(manifest, e):
                 continue
             tn = _classes_of(manifest, [t], [e])
             z = zeroshot_classify(
@@ -427,6 +447,10 @@ def evaluate_checkpoint(
             )
             per[t]["ZS-top1"], per[t]["ZS-top5"] = z["top1"], z["top5"]
             info[t]["zeroshot"] = {k: z[k] for k in ("n", "n_skipped", "n_classes")}
+            if all_names:
+                z = _zs_all(e, cls_feats, all_names)
+                per[t]["ZS-all-top1"], per[t]["ZS-all-top5"] = z["top1"], z["top5"]
+                info[t]["zeroshot_all"] = {k: z[k] for k in ("n", "n_skipped", "n_classes")}
     # Benchmarks: eval sets of no task (DKR Setting-2's Flickr30K/COCO/EC, Mod-X's COCO(5K)),
     # retrieval only; a benchmark with the same shards as a task's test set reuses its features.
     bench: dict[str, dict[str, Any]] = {}
@@ -499,7 +523,7 @@ def evaluate_checkpoint(
                 block_elems=opts.block_elems,
             )
             r.pop("n_images"), r.pop("n_texts")
-            if cls_feats and _labelled(e):
+            if cls_feats and _zs_ready(manifest, e):
                 names = _classes_of(manifest, seen, [test[t] for t in seen])
                 z = zeroshot_classify(
                     e.image_features,
@@ -508,6 +532,9 @@ def evaluate_checkpoint(
                     names,
                 )
                 r["ZS-top1"], r["ZS-top5"] = z["top1"], z["top5"]
+            if cls_feats and all_names and _zs_ready(manifest, e):
+                z = _zs_all(e, cls_feats, all_names)
+                r["ZS-all-top1"], r["ZS-all-top5"] = z["top1"], z["top5"]
             qs = [t for t in columns[: k + 1] if t in query]
             if qs:
                 mres = _map(ctx, [query[t] for t in qs], [gallery[t] for t in qs])

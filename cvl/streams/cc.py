@@ -6,8 +6,8 @@ and its 0-based line number (``cc12m-000001234``), stable across samples and rer
 Split: IncCLIP's *instance* split: ``--sample N`` training pairs drawn at random (seeded) and cut
 into ``--chunks K`` equal chunks, plus ``--test``/``--val`` pairs per chunk held out from the
 same draw. DHA's CITM task is the same with one chunk (``--chunks 1 --sample 130000 --val 13000
---test 5000``). The class split (BEiT pseudo-labels) is `pipeline.ClassSplit`, fed with a label
-per row by the pseudo-labelling step.
+--test 5000``). IncCLIP's class split (BEiT pseudo-labels) needs the images: build a pool with
+one chunk, then `cvl pseudo-label` and `cvl build-stream class-split` (see datasets/cc12m.md).
 """
 
 from __future__ import annotations

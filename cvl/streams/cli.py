@@ -30,6 +30,7 @@ SOURCES: list[tuple[str, str, str]] = [
     ("iapr", "cvl.streams.iapr", "iapr_cmd"),
     ("compose", "cvl.streams.compose", "compose_cmd"),
     ("protocol", "cvl.streams.protocols", "protocol_cmd"),
+    ("class-split", "cvl.streams.classsplit", "class_split_cmd"),
 ]
 
 
@@ -60,4 +61,5 @@ def build_stream() -> None:
     URL/file lists: p9d, cc12m, cc3m, wit, goodnews, table (downloads through img2dataset).
     Archives on disk: coco, flickr30k, rsicd (Karpathy JSON), ec (MUGE TSVs), iapr.
     Several streams as one: compose; a paper's benchmark in one command: protocol.
+    Class-incremental tasks from labels (`cvl pseudo-label` or categories): class-split.
     """

@@ -25,7 +25,8 @@ link ``sources[].link``, the symlinks a composed stream keeps in ``sources/``)::
                     "gallery": {"kind": "gallery", "tasks": {...}}},
       "benchmarks": {"coco-5k": {"kind": "pairs", "shards": [...], "count": 5000,
                                  "description": "..."}},      # optional
-      "sources": [{"name": "coco", "link": "sources/coco", "stream_sha256": "..."}]  # optional
+      "sources": [{"name": "coco", "link": "sources/coco", "stream_sha256": "..."}], # optional
+      "class_map": {...}                         # optional: class-incremental streams only
     }
 
 ``benchmarks`` are evaluation sets that belong to no task (DKR Setting-2 trains on EC parts
@@ -33,6 +34,12 @@ and tests on Flickr30K, COCO and EC): `cvl eval` scores every checkpoint on each
 ``sources`` (composed streams, `cvl build-stream compose`) name the streams whose shards are
 referenced and the SHA-256 of their stream.json at composition time: loading the stream
 refuses a source that changed since.
+
+``class_map`` (optional, written by `cvl build-stream class-split`; streams without it read as
+before) maps class ids to tasks: ``names[i]`` is the category string of class i in the
+samples' KEY.json, ``prompts[i]`` the name put in zero-shot prompts, ``task_of[i]`` the task
+holding class i (null: in no task), ``order`` the seeded class order that was cut into tasks,
+``labels`` where the labels came from.
 
 Every sample's KEY.json holds at least ``id``, ``task`` and ``category`` (may be null) and
 optionally ``captions`` (all captions of the image; KEY.txt is the first one).
@@ -125,6 +132,24 @@ class Manifest:
     created: str = ""
     cvl_version: str = __version__
     root: Path | None = None
+    class_map: dict[str, Any] | None = None
+
+    # -- classes (class-incremental streams) ---------------------------------------------------
+    def split_classes(self, tasks: list[str] | None = None) -> list[str]:
+        """Category names of the class map's classes held by `tasks` (all tasks: None), by id."""
+        cm = self.class_map
+        if not cm:
+            return []
+        want = set(self.task_order if tasks is None else tasks)
+        return [n for n, t in zip(cm["names"], cm["task_of"]) if t in want]
+
+    def prompt_names(self, categories: list[str]) -> list[str]:
+        """The names zero-shot prompts use for categories (the category itself by default)."""
+        cm = self.class_map
+        if not cm:
+            return list(categories)
+        of = dict(zip(cm["names"], cm.get("prompts") or cm["names"]))
+        return [of.get(c, c) for c in categories]
 
     # -- paths -----------------------------------------------------------------------------
     def resolve(self, shard: str) -> Path:
@@ -176,6 +201,7 @@ class Manifest:
             "task_order": list(self.task_order),
             "tasks": {n: self.tasks[n].to_json() for n in self.tasks},
             "eval_sets": {n: e.to_json() for n, e in self.eval_sets.items()},
+            **({"class_map": dict(self.class_map)} if self.class_map else {}),
         }
         if self.benchmarks:  # optional fields: absent unless used (older streams unchanged)
             d["benchmarks"] = {n: b.to_json() for n, b in self.benchmarks.items()}
@@ -312,6 +338,7 @@ def manifest_from_json(d: Any, root: Path | None = None) -> Manifest:
     sources = d.get("sources") or []
     if not isinstance(sources, list) or not all(isinstance(s, dict) for s in sources):
         raise _err("sources", "must be a list of objects")
+    class_map = _class_map(d.get("class_map"), tasks)
     return Manifest(
         name=name,
         source=source,
@@ -326,7 +353,32 @@ def manifest_from_json(d: Any, root: Path | None = None) -> Manifest:
         created=str(d.get("created", "")),
         cvl_version=str(d.get("cvl_version", "")),
         root=root,
+        class_map=class_map,
     )
+
+
+def _class_map(cm: Any, tasks: dict[str, TaskInfo]) -> dict[str, Any] | None:
+    """Validate the optional class map (class id -> category, prompt name, task)."""
+    if cm is None:
+        return None
+    if not isinstance(cm, dict):
+        raise _err("class_map", "must be an object")
+    names = _req(cm, "names", list, "class_map")
+    task_of = _req(cm, "task_of", list, "class_map")
+    prompts = cm.get("prompts", names)
+    if not isinstance(prompts, list):
+        raise _err("class_map.prompts", "must be a list")
+    if not (len(names) == len(task_of) == len(prompts)):
+        raise _err("class_map", "names, prompts and task_of must have one entry per class")
+    if not all(isinstance(n, str) and n for n in names) or len(set(names)) != len(names):
+        raise _err("class_map.names", "must be distinct non-empty strings")
+    for i, t in enumerate(task_of):
+        if t is not None and t not in tasks:
+            raise _err(f"class_map.task_of[{i}]", f"unknown task '{t}'")
+    order = cm.get("order")
+    if order is not None and sorted(order) != list(range(len(names))):
+        raise _err("class_map.order", "must be a permutation of the class ids")
+    return dict(cm)
 
 
 def load_manifest(stream: str | os.PathLike, check_files: bool = True) -> Manifest:

@@ -12,8 +12,9 @@ Two layouts:
   shapes of task t-1 and adds new ones, and draws its style from {style of task t-1, its own
   style}; so a model trained on task t-1 already understands much of task t, while task 0's
   style leaves the stream after task 1 and its shapes one by one, and sequential fine-tuning
-  forgets them. Styles here are never also background words (no "dotted" object on a
-  "dotted" background: one word, one attribute).
+  forgets them. A picture drawn in task t-1's style also takes task t-1's background tint, so
+  half of task t looks like task t-1 but for the new shapes. Styles here are never also
+  background words (no "dotted" object on a "dotted" background: one word, one attribute).
 - ``overlap = 0`` ("disjoint", the earlier stream): every task has shapes and a style never seen
   in another task. The hard case for old-vs-new distillation.
 
@@ -262,6 +263,10 @@ def task_domains(spec: SynthSpec) -> list[dict]:
                 "style": own,
                 "styles": styles,
                 "tint": TINTS[t % len(TINTS)],
+                # a picture drawn in the previous task's style also takes its background tint
+                "tints": [
+                    TINTS[(t + 1 - len(styles) + i) % len(TINTS)] for i in range(len(styles))
+                ],
             }
         )
     return doms
@@ -303,7 +308,12 @@ def draw_sample(
     size = list(SIZES)[rng.integers(len(SIZES))]
     pos = list(POSITIONS)[rng.integers(len(POSITIONS))]
     bg = BACKGROUNDS[rng.integers(len(BACKGROUNDS))]
-    tint = np.array(dom["tint"])
+    # a second style costs one more draw, only where a task has two (disjoint streams unchanged);
+    # the style chosen brings its task's background tint
+    styles = dom.get("styles", [dom["style"]])
+    k = int(rng.integers(len(styles))) if len(styles) > 1 else 0
+    style = styles[k]
+    tint = np.array(dom.get("tints", [dom["tint"]])[k])
     base = tuple(int(v) for v in np.clip(tint + rng.integers(-8, 9, 3), 0, 255))
     light = tuple(int(v) for v in np.clip(np.array(base) + 35, 0, 255))
     img = Image.new("RGB", (S, S), base)
@@ -322,9 +332,6 @@ def draw_sample(
         for y in range(step // 2, S, step):
             for x in range(step // 2, S, step):
                 d.ellipse([x - r, y - r, x + r, y + r], fill=light)
-    # a second style costs one more draw, only where a task has two (disjoint streams unchanged)
-    styles = dom.get("styles", [dom["style"]])
-    style = styles[rng.integers(len(styles))] if len(styles) > 1 else styles[0]
     cx, cy = POSITIONS[pos]
     cx += rng.uniform(-0.04, 0.04)
     cy += rng.uniform(-0.04, 0.04)
@@ -429,9 +436,9 @@ def build_synthetic(
     report = BuildReport()
     args = {k: getattr(spec, k) for k in spec.__dataclass_fields__}
     layout = (
-        f"neighbouring tasks share {spec.n_overlap()} shapes and a style"
+        f"neighbouring tasks share {spec.n_overlap()} shapes and a style with its background tint"
         if spec.n_overlap()
-        else "disjoint shapes and style per task"
+        else "disjoint shapes and style per task; own background tint"
     )
     with atomic_dir(out, overwrite=overwrite) as tmp:
         bar = tqdm(total=total, desc="synthetic", unit="img", disable=not progress, leave=False)
@@ -455,7 +462,7 @@ def build_synthetic(
         m = Manifest(
             name=name or out.name,
             source="synthetic",
-            split_rule=f"one domain per task ({layout}; own background tint); "
+            split_rule=f"one domain per task ({layout}); "
             "colours, sizes, positions and background patterns shared",
             seed=spec.seed,
             task_order=[d["name"] for d in doms],

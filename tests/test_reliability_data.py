@@ -352,7 +352,11 @@ def _nan_at(monkeypatch, task: int, step: int, seen: list | None = None):
         terms = real(self, batch, out, ctx)
         if seen is not None:
             seen.append(
-                (ctx.task_index, ctx.step + 1, sum(float(p.sum()) for p in ctx.model.parameters()))
+                (
+                    ctx.task_index,
+                    ctx.step + 1,
+                    sum(float(p.detach().sum()) for p in ctx.model.parameters()),
+                )
             )
         if (ctx.task_index, ctx.step + 1) == (task, step):
             terms = {**terms, "itc": terms["itc"] * float("nan")}

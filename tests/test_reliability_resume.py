@@ -169,3 +169,33 @@ def test_sigkill_during_eval_reuses_cache_and_matches(reference, tmp_path):
     assert {k: v for k, v in ma.items() if k not in skip} == {
         k: v for k, v in mb.items() if k not in skip
     }
+
+
+@pytest.mark.slow
+def test_sigkill_during_pseudo_label_resumes_to_identical_labels(tiny, tmp_path):
+    """`cvl pseudo-label` SIGKILLed after some units: the rerun labels only what is left and
+    writes the same label files as an uninterrupted run."""
+    import shutil
+
+    from pseudolabel_helpers import save_tiny_beit
+
+    model = save_tiny_beit(tmp_path / "tiny-beit")
+
+    def argv(s: Path) -> list[str]:
+        return ["pseudo-label", "--stream", str(s), "--model", str(model)] + [
+            *("--batch-size", "4", "--unit-size", "8", "--quiet")
+        ]
+
+    def files(s: Path) -> dict[str, bytes]:
+        root = s / "labels" / "tiny-beit"
+        return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*.jsonl"))}
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(tiny, a)
+    shutil.copytree(tiny, b)
+    cli(argv(a))
+    parts = b / "labels" / "tiny-beit" / ".parts"
+    kill_when(argv(b), lambda: len(list(parts.rglob("*.jsonl"))) >= 2)
+    assert not (b / "labels" / "tiny-beit" / "labels.json").exists()
+    cli(argv(b))
+    assert files(b) == files(a) and len(files(a)) > 0

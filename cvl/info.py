@@ -60,6 +60,15 @@ def describe_run(path: Path) -> list[str]:
     done = sorted(p.name for p in tasks_dir.iterdir() if p.is_dir()) if tasks_dir.is_dir() else []
     order = run.get("stream", {}).get("task_order") or []
     lines.append(f"finished tasks: {len(done)}/{len(order) or '?'}  {' '.join(done)}")
+    for d in done:  # data and numeric faults the run survived (task.json)
+        tj = tasks_dir / d / "task.json"
+        t = read_json(tj) if tj.is_file() else {}
+        faults = {k: v for k, v in (t.get("skipped") or {}).items() if v}
+        faults.update(
+            {k: t[k] for k in ("replaced_samples", "nonfinite_skipped_steps") if t.get(k)}
+        )
+        if faults:
+            lines.append(f"  {d}: " + ", ".join(f"{k} {v}" for k, v in sorted(faults.items())))
     if (path / "last").is_dir():
         lines.append("a mid-task checkpoint exists in last/ (rerun `cvl train` to resume)")
     if (path / "eval" / "metrics.json").is_file():

@@ -84,3 +84,29 @@ def atomic_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def recover_dir(out: str | os.PathLike) -> Path | None:
+    """Put back the previous complete `out` if a process died inside `atomic_dir`'s swap.
+
+    `atomic_dir` renames the old folder to `.NAME.old-PID` and then the new one to `out`; a
+    kill between the two renames leaves no `out` but a complete old copy, which this renames
+    back (newest first); half-written temp folders of killed writers are removed. Call it
+    only from the folder's single writer. Returns the restored path, or None.
+    """
+    out = Path(out)
+    if not out.parent.is_dir():
+        return None
+    for partial in out.parent.glob(f".{out.name}.*.partial"):  # a killed writer's temp folder
+        shutil.rmtree(partial, ignore_errors=True)
+    if out.exists():
+        return None
+    olds = sorted(
+        out.parent.glob(f".{out.name}.old-*"), key=lambda p: p.stat().st_mtime, reverse=True
+    )
+    if not olds:
+        return None
+    os.replace(olds[0], out)
+    for o in olds[1:]:
+        shutil.rmtree(o, ignore_errors=True)
+    return out

@@ -9,8 +9,9 @@
 #   4. evaluate all of them in one process and print one comparison table;
 #   5. Mod-X's rotation analysis (SAM / RAM / ImAV) of seqft vs Mod-X.
 #
-# Usage: recipes/demo.sh [OUT_DIR]   (METHODS="seqft modx" to choose the methods; also joint,
-#        dha-dagger; SEED=N; recipes/synthetic_benchmark.sh runs it over 3 seeds)
+# Usage: recipes/demo.sh [OUT_DIR]   (METHODS="seqft modx" to choose the methods: any
+#        `cvl methods` name, er, dha-dagger; SEED=N; recipes/synthetic_benchmark.sh runs it
+#        over 3 seeds)
 # Rerunning reuses what is finished (stream, runs, evaluations). What was traded for the
 # 5-minute budget (against recipes/synthetic_methods.sh): 600 pairs per task and 2 epochs
 # (instead of 1,000-2,000 and 4), 128 test pairs per task, no linear probe or zero-shot
@@ -44,6 +45,7 @@ args_of() {  # the method's CLI arguments (paper defaults; replay 5 % of the str
     er) echo "--method seqft --buffer reservoir --buffer-size 150" ;;
     dha) echo "--method dha --buffer ring --buffer-size 150" ;;
     dha-dagger) echo "--method dha" ;;  # DHA without its buffer (DHA† in the paper)
+    icarl | lucir) echo "--method $1 --buffer mof --buffer-size 150" ;;  # herding buffer, as ER
     incclip) echo "--method incclip --buffer reservoir --buffer-size 300" ;;
     *) echo "--method $1" ;;
   esac

@@ -3,12 +3,13 @@
 # shared vocabulary between neighbouring tasks, CLIP_0 trained on the pretraining set, every
 # method started from it) for each seed, then mean ± sd of the headline numbers.
 # Usage: recipes/synthetic_benchmark.sh [OUT_DIR] [SEEDS]     (default: bench "0 1 2")
-# The README's results table is this script's output (about 8 minutes per seed on 2 cores).
+# The README's results tables are this script's output.
 set -euo pipefail
 OUT=${1:-bench}
 SEEDS=${2:-"0 1 2"}
 PY=${PY:-.venv/bin/python}
-export METHODS=${METHODS:-"seqft joint er modx dkr dha-dagger dha ctp incclip"}
+# the paper methods and bounds (issue 12's table), then CTP Table 1's baselines
+export METHODS=${METHODS:-"seqft joint er modx dkr dha-dagger dha ctp incclip ewc si mas rwalk afec lwf icarl lucir"}
 for s in $SEEDS; do
   SEED=$s bash "$(dirname "$0")/demo.sh" "$OUT/s$s"
 done

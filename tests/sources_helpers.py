@@ -8,6 +8,9 @@ The server (stdlib http.server on a thread, 127.0.0.1, random port) answers by p
 - ``/html/...``          200 with an HTML page (not an image)
 - ``/slow/NAME.jpg``     the image, but only after `slow_seconds` (beyond the test timeout)
 - ``/noai/NAME.jpg``     the image with ``X-Robots-Tag: noai``
+- ``/drop/NAME.jpg``     headers for the whole image, half the body, then the connection closes
+- ``/flaky/NAME.jpg``    500 Internal Server Error on the first request of a path, then the image
+- ``/hang/NAME.jpg``     accepts the request and never answers (for `hang_seconds`)
 
 Fixture files under ``datasets/fixtures`` use the placeholder host `PLACEHOLDER`;
 `copy_fixture` rewrites it to the server's address (also inside ``.gz`` files).
@@ -62,8 +65,10 @@ def close_rgb(a, b, tol: float = 6.0) -> bool:  # noqa: ANN001
 class ImageServer:
     """A threaded loopback HTTP server counting hits per path."""
 
-    def __init__(self, slow_seconds: float = 3.0) -> None:
+    def __init__(self, slow_seconds: float = 3.0, hang_seconds: float = 60.0) -> None:
         self.slow_seconds = slow_seconds
+        self.hang_seconds = hang_seconds
+        self.flaky_seen: set[str] = set()  # not cleared by reset(): a rerun gets the image
         self.hits: Counter[str] = Counter()
         self._lock = threading.Lock()
         server = self
@@ -101,6 +106,28 @@ class ImageServer:
                     self._send(200, jpeg_bytes(name), "image/jpeg")
                 elif kind == "noai":
                     self._send(200, jpeg_bytes(name), "image/jpeg", {"X-Robots-Tag": "noai"})
+                elif kind == "drop":
+                    body = jpeg_bytes(name)
+                    try:
+                        self.send_response(200)
+                        self.send_header("Content-Type", "image/jpeg")
+                        self.send_header("Content-Length", str(len(body)))
+                        self.end_headers()
+                        self.wfile.write(body[: len(body) // 2])
+                        self.wfile.flush()
+                    except (BrokenPipeError, ConnectionResetError):
+                        pass
+                    self.close_connection = True
+                elif kind == "flaky":
+                    with server._lock:
+                        first = path not in server.flaky_seen
+                        server.flaky_seen.add(path)
+                    if first:
+                        self._send(500, b"try again", "text/plain")
+                    else:
+                        self._send(200, jpeg_bytes(name), "image/jpeg")
+                elif kind == "hang":
+                    time.sleep(server.hang_seconds)
                 elif kind == "img":
                     self._send(200, jpeg_bytes(name), "image/jpeg")
                 else:

@@ -281,3 +281,40 @@ def test_tar_reader_of_cache_ignores_non_images(tmp_path):
     assert cache.locate(Record("success", None, str(tar), "nope")) is None
     assert json.loads((tmp_path / "dl" / "cache.json").read_text())["schema"] == "cvl.downloads/1"
     assert Path(cache.root).is_dir()
+
+
+@pytest.mark.slow
+def test_network_faults_are_bounded_and_a_rerun_fetches_only_what_failed(tmp_path):
+    """Real img2dataset against a server that drops connections mid-body, answers 500 once,
+    or never answers: the fetch ends within its timeouts, every URL is accounted for, and a
+    rerun tries only the failed URLs (the 500s then succeed)."""
+    from sources_helpers import ImageServer
+
+    srv = ImageServer(hang_seconds=30.0)
+    try:
+        kinds = {"img": 2, "drop": 2, "flaky": 2, "hang": 1}
+        urls = {srv.url(f"{k}/{k}{i}.jpg"): {} for k, n in kinds.items() for i in range(n)}
+        cache = DownloadCache(tmp_path / "dl", ImageOptions())
+        opts = DownloadOptions(threads=8, timeout=1.5, exit_grace=5)
+        t0 = time.monotonic()
+        recs, st = cache.fetch(urls, opts, log=lambda m: None, progress=False)
+        assert time.monotonic() - t0 < 120  # bounded by the timeouts, not the server
+        ok = {u for u, r in recs.items() if r.ok}
+        assert ok == {u for u in urls if "/img/" in u}
+        rep = st.to_json()
+        assert rep["urls"] == len(urls) == sum(rep["status"].values())
+        assert rep["from_cache"] + rep["fetched_now"] == len(urls) and rep["from_cache"] == 0
+        assert rep["status"]["success"] == 2 and sum(rep["errors"].values()) == 5
+        srv.reset()
+        recs2, st2 = cache.fetch(urls, opts, log=lambda m: None, progress=False)
+        rep2 = st2.to_json()
+        assert srv.total("/img/") == 0 and srv.total() == 5  # only the failed URLs again
+        assert rep2["from_cache"] == 2 and rep2["fetched_now"] == 5
+        assert {u for u, r in recs2.items() if r.ok} == ok | {u for u in urls if "/flaky/" in u}
+        assert rep2["status"]["success"] == 4 and sum(rep2["status"].values()) == len(urls)
+        img = recs2[srv.url("flaky/flaky0.jpg")]
+        with tarfile.open(img.tar) as tf:  # the retried image is complete
+            data = tf.extractfile(f"{img.key}.jpg").read()
+        assert data[:2] == b"\xff\xd8"
+    finally:
+        srv.close()

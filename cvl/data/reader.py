@@ -7,9 +7,13 @@ with batch 2B as for 2 processes with batch B (rank r takes slice r of each glob
 and replay-buffer items addressed by (shard, key).
 
 Samples without an image or with a missing/empty caption are left out at index time and
-counted in `skipped`; an image that fails to decode (or a caption that is not UTF-8) is
-replaced by the next good sample at load time and counted in the batch's `n_replaced`, so a
-corrupt file never crashes a run and every rank keeps the same batch size.
+counted in `skipped`; an image that fails to decode (truncated, not an image, a header larger
+than `MAX_PIXELS`: checked before any pixel is decoded, so a decompression bomb costs no
+memory) or a caption that is not UTF-8 is replaced by the next good sample at load time and
+counted in the batch's `n_replaced` (training: every rank keeps the same batch size);
+evaluation sets drop such samples instead (`drop_unreadable`), so no item is counted twice.
+A missing KEY.json is harmless (the key is the id). 16-bit greyscale images are scaled to
+8 bits (PIL's own RGB conversion would clip them to white).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from torch.utils.data import DataLoader, Dataset
 from cvl.errors import CvlError
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+MAX_PIXELS = 8192 * 8192  # larger image headers are refused before decoding (memory bound)
 
 
 @dataclass(frozen=True)
@@ -125,15 +130,19 @@ class PairDataset(Dataset):
         transform: Callable[[Image.Image], torch.Tensor] | None = None,
         tokenize: Callable[[list[str]], torch.Tensor] | None = None,
         skipped: Counter | None = None,
+        name: str = "",
     ) -> None:
         self.entries = list(entries)
         self.transform = transform
         self.tokenize = tokenize
         self.skipped = skipped if skipped is not None else Counter()
+        self.name = name  # for error messages ("task t1", "test/t0")
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
-    def from_shards(cls, shards: Iterable[str | os.PathLike], **kw: Any) -> PairDataset:
+    def from_shards(
+        cls, shards: Iterable[str | os.PathLike], name: str = "", **kw: Any
+    ) -> PairDataset:
         """All good samples of the shards, in shard order; raises if there are none."""
         entries: list[Entry] = []
         skipped: Counter = Counter()
@@ -144,10 +153,11 @@ class PairDataset(Dataset):
             skipped.update(reason for _, reason in sk)
         if not entries:
             raise CvlError(
-                f"no usable samples in {len(shards)} shard(s)"
+                (f"{name}: " if name else "")
+                + f"no usable samples in {len(shards)} shard(s)"
                 + (f" (first: {shards[0]}; left out: {dict(skipped)})" if shards else "")
             )
-        return cls(entries, skipped=skipped, **kw)
+        return cls(entries, skipped=skipped, name=name, **kw)
 
     @classmethod
     def from_refs(cls, refs: Iterable[tuple[str, str]], **kw: Any) -> PairDataset:
@@ -166,7 +176,20 @@ class PairDataset(Dataset):
 
     def with_entries(self, entries: Sequence[Entry]) -> PairDataset:
         """The same transform/tokenizer over other entries (e.g. task data + buffer items)."""
-        return PairDataset(entries, self.transform, self.tokenize)
+        return PairDataset(entries, self.transform, self.tokenize, name=self.name)
+
+    def drop_unreadable(self) -> PairDataset:
+        """Leave out (and count in `skipped['unreadable']`) samples that fail to decode.
+
+        For evaluation sets: replacing a bad item by its neighbour would count that one twice.
+        Decodes every sample once (results are remembered per shard member)."""
+        good = [e for i, e in enumerate(self.entries) if _readable(self, i)]
+        if len(good) < len(self.entries):
+            self.skipped["unreadable"] += len(self.entries) - len(good)
+            self.entries = good
+        if not good:
+            raise CvlError(f"{self.name or 'dataset'}: every sample failed to decode")
+        return self
 
     # -- reading -----------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -175,8 +198,12 @@ class PairDataset(Dataset):
     def read_raw(self, i: int) -> tuple[Image.Image, str, dict[str, Any]]:
         """Decode sample i: PIL image (RGB), caption, metadata. Raises on corrupt data."""
         e = self.entries[i]
-        img = Image.open(io.BytesIO(_FILES.read(e.shard, e.image)))
+        img = Image.open(io.BytesIO(_FILES.read(e.shard, e.image)))  # header only
+        if img.width * img.height > MAX_PIXELS:
+            raise ValueError(f"image of {img.width}x{img.height} pixels exceeds MAX_PIXELS")
         img.load()
+        if img.mode in ("I;16", "I;16B", "I;16L", "I;16N"):  # 16-bit grey -> 8-bit
+            img = img.point(lambda v: v * (1 / 256)).convert("L")
         img = img.convert("RGB")
         caption = _FILES.read(e.shard, e.text).decode("utf-8").strip()
         if not caption:
@@ -195,7 +222,10 @@ class PairDataset(Dataset):
             except Exception:  # corrupt JPEG, non-UTF-8 text, bad JSON: take the next sample
                 continue
         else:
-            raise CvlError("every sample of the dataset failed to decode")
+            raise CvlError(
+                f"{self.name or 'dataset'}: all {n} samples failed to decode "
+                f"(left out at indexing: {dict(self.skipped) or 'none'})"
+            )
         captions = meta.get("captions") or [caption]
         if aug is not None and len(captions) > 1:  # training: one caption per visit
             caption = captions[aug % len(captions)]
@@ -223,6 +253,20 @@ class PairDataset(Dataset):
         if self.tokenize is not None:
             out["text"] = self.tokenize([caption])[0]
         return out
+
+
+_READABLE: dict[tuple[str, str], bool] = {}
+
+
+def _readable(ds: PairDataset, i: int) -> bool:
+    e = ds.entries[i]
+    if e.ref not in _READABLE:
+        try:
+            ds.read_raw(i)
+            _READABLE[e.ref] = True
+        except Exception:
+            _READABLE[e.ref] = False
+    return _READABLE[e.ref]
 
 
 def collate(items: list[dict[str, Any]]) -> dict[str, Any]:

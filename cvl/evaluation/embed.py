@@ -39,8 +39,21 @@ class Embeddings:
 
 
 def eval_dataset(model: Any, shards: list, all_captions: bool = True) -> PairDataset:
-    """A PairDataset over eval shards with the model's eval transform (no tokenisation)."""
-    return PairDataset.from_shards(shards, transform=image_transform(model.image_size, train=False))
+    """A PairDataset over eval shards with the model's eval transform (no tokenisation).
+
+    Unreadable samples are left out and counted (a warning on stderr names the shards)."""
+    ds = PairDataset.from_shards(
+        shards, transform=image_transform(model.image_size, train=False)
+    ).drop_unreadable()
+    if ds.skipped:
+        import sys
+
+        print(
+            f"warning: {sum(ds.skipped.values())} sample(s) left out of {shards[0]}"
+            f"{f' (+{len(shards) - 1} shards)' if len(shards) > 1 else ''}: {dict(ds.skipped)}",
+            file=sys.stderr,
+        )
+    return ds
 
 
 def _gather_rows(x: torch.Tensor, accelerator: Any, n: int) -> torch.Tensor:

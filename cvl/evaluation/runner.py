@@ -154,6 +154,29 @@ def resolve_stream(run: Path, run_d: dict[str, Any], override: str | None) -> Pa
     raise CvlError(f"stream of {run} not found at {p}; pass --stream (the stream folder)")
 
 
+def stream_warnings(run_d: dict[str, Any], manifest: Any) -> list[str]:
+    """Why the stream evaluated may not be the one the run was trained on (both fingerprints)."""
+    from cvl.streams.manifest import MANIFEST, file_sha256
+
+    s = run_d.get("stream") or {}
+    trained = s.get("fingerprint")
+    if trained is not None and trained != manifest.fingerprint:
+        return [
+            f"evaluating on a different stream than the run was trained on: trained on "
+            f"{json.dumps(trained, sort_keys=True)}, evaluating "
+            f"{json.dumps(manifest.fingerprint, sort_keys=True)}"
+        ]
+    sha = s.get("manifest_sha256")
+    f = manifest.root / MANIFEST if manifest.root is not None else None
+    if sha and f is not None and f.is_file() and file_sha256(f) != sha:
+        return [
+            f"{f} was rewritten since the run was trained (rebuilt in place?): same fingerprint "
+            f"{json.dumps(trained, sort_keys=True)}, stream.json sha256 {sha[:12]} -> "
+            f"{file_sha256(f)[:12]}"
+        ]
+    return []
+
+
 def checkpoints(run: Path) -> list[Checkpoint]:
     """The init checkpoint (when saved) and every finished task, in training order."""
     out = []
@@ -612,12 +635,15 @@ def evaluate_run(
     run_d = load_run(run)
     stream_path = resolve_stream(run, run_d, opts.stream)
     manifest = load_manifest(stream_path)
+    main = accelerator is None or accelerator.is_main_process
+    if main:
+        for line in stream_warnings(run_d, manifest):
+            print(f"warning: {line}", file=sys.stderr)
     columns = _columns(run_d, manifest)
     cks = [c for c in checkpoints(run) if opts.init or c.index >= 0]
     todo = select(cks, opts.tasks, opts.init)
     out_dir = Path(out) if out else run / "eval"
     cache_dir = out_dir / "cache"
-    main = accelerator is None or accelerator.is_main_process
     device = accelerator.device if accelerator is not None else torch.device("cpu")
     base_key = {
         "cache_version": CACHE_VERSION,

@@ -7,7 +7,9 @@ A stream is a folder::
     eval/<set>/<task>/000000.tar ... per-task evaluation sets (test, val, query, gallery)
     build_report.json                what the builder read, kept and dropped, and why
 
-Schema ``cvl.stream/1`` (all paths are relative to the stream folder unless absolute)::
+Schema ``cvl.stream/1`` (shard paths are relative to the stream folder, without ``..``; a
+shard whose real path leaves the folder is refused unless it goes through a declared source
+link ``sources[].link``, the symlinks a composed stream keeps in ``sources/``)::
 
     {
       "schema": "cvl.stream/1",
@@ -235,6 +237,14 @@ def _req(d: dict, key: str, typ: type | tuple, where: str) -> Any:
     return v
 
 
+def _check_name(name: str, where: str) -> None:
+    """Task, eval-set and benchmark names become file names in run folders (tasks/NN-name,
+    logs/NN-name.jsonl, eval/cache/...): one plain path component, never '..' or hidden."""
+    bad = not name or name.startswith(".") or any(c in name for c in "/\\\x00")
+    if bad or any(ord(c) < 32 for c in name):
+        raise _err(where, f"name {name!r} cannot be a file name (no '/', '\\', NUL, leading '.')")
+
+
 def _shardset(d: Any, where: str, allow_empty: bool = False) -> ShardSet:
     if not isinstance(d, dict):
         raise _err(where, "must be an object with 'shards' and 'count'")
@@ -245,8 +255,11 @@ def _shardset(d: Any, where: str, allow_empty: bool = False) -> ShardSet:
     for i, s in enumerate(shards):
         if not isinstance(s, str) or not s:
             raise _err(f"{where}.shards[{i}]", "must be a non-empty path string")
-        if ".." in Path(s).parts:
-            raise _err(f"{where}.shards[{i}]", f"path '{s}' escapes the stream folder")
+        if ".." in Path(s).parts or Path(s).is_absolute() or "\x00" in s:
+            raise _err(
+                f"{where}.shards[{i}]",
+                f"path {s!r} escapes the stream folder (shard paths are relative, no '..')",
+            )
     if count > 0 and not shards:
         raise _err(f"{where}.shards", "is empty but count > 0")
     return ShardSet(shards=list(shards), count=count)
@@ -270,6 +283,7 @@ def manifest_from_json(d: Any, root: Path | None = None) -> Manifest:
     tasks: dict[str, TaskInfo] = {}
     for tname, td in tasks_d.items():
         where = f"tasks['{tname}']"
+        _check_name(tname, where)
         if not isinstance(td, dict):
             raise _err(where, "must be an object")
         extra = {k: v for k, v in td.items() if k not in ("train", "description", "categories")}
@@ -293,6 +307,7 @@ def manifest_from_json(d: Any, root: Path | None = None) -> Manifest:
     eval_sets: dict[str, EvalSet] = {}
     for sname, sd in (d.get("eval_sets") or {}).items():
         where = f"eval_sets['{sname}']"
+        _check_name(sname, where)
         if not isinstance(sd, dict):
             raise _err(where, "must be an object")
         kind = _req(sd, "kind", str, where)
@@ -311,6 +326,7 @@ def manifest_from_json(d: Any, root: Path | None = None) -> Manifest:
         raise _err("benchmarks", "must be an object")
     for bname, b in bd.items():
         where = f"benchmarks['{bname}']"
+        _check_name(bname, where)
         if not isinstance(b, dict):
             raise _err(where, "must be an object")
         kind = _req(b, "kind", str, where)
@@ -399,7 +415,32 @@ def load_manifest(stream: str | os.PathLike, check_files: bool = True) -> Manife
                 if not s.is_file():
                     raise CvlError(f"stream '{m.name}': benchmark '{bname}': missing shard {s}")
         check_sources(m)
+        check_inside(m)
     return m
+
+
+def check_inside(m: Manifest) -> None:
+    """Every shard's real path (symlinks resolved) lies in the stream folder, or in a source
+    stream reached through a declared `sources[].link` (composed streams)."""
+    root = m.root.resolve() if m.root is not None else None
+    if root is None:
+        return
+    allowed = [root]
+    for s in m.sources:
+        link = str(s.get("link") or "")
+        if link and not Path(link).is_absolute() and ".." not in Path(link).parts:
+            allowed.append((root / link).resolve())
+    sets = [("task", t, m.train_shards(t)) for t in m.task_order]
+    sets += [(f"eval set '{n}'", t, m.eval_shards(n, t)) for n, e in m.eval_sets.items() for t in e.tasks]
+    sets += [("benchmark", b, m.benchmark_shards(b)) for b in m.benchmarks]
+    for kind, name, shards in sets:
+        for sh in shards:
+            real = sh.resolve()
+            if not any(real.is_relative_to(a) for a in allowed):
+                raise CvlError(
+                    f"stream '{m.name}': {kind} '{name}': shard {sh} resolves to {real}, "
+                    "outside the stream folder (only sources/ links may point elsewhere)"
+                )
 
 
 def file_sha256(path: Path) -> str:

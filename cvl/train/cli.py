@@ -33,6 +33,7 @@ _OPTS = [
     "log_with",
     "max_steps_per_task",
     "select",
+    "skip_nonfinite",
 ]
 
 
@@ -153,6 +154,14 @@ _OPTS = [
     help="Weights that end each task: the last ones, or the best epoch on the task's 'val' "
     "pairs (Rm; DHA's protocol). auto = best-val for methods that ask for it (dha) when the "
     "stream has val pairs, else last.",
+)
+@click.option(
+    "--skip-nonfinite",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Optimizer steps with a NaN/Inf loss to skip (no update, counted in the log as "
+    "nonfinite_skipped) before the run stops; 0 = stop at the first one.",
 )
 @click.option(
     "--config",

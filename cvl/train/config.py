@@ -50,6 +50,7 @@ class TrainConfig:
     log_with: str = "auto"  # auto (tensorboard if installed) | tensorboard | wandb | none
     max_steps_per_task: int = 0  # debugging / smoke tests: stop each task early (0 = off)
     select: str = "auto"  # auto | last | best-val: which weights end a task (cvl.train.selection)
+    skip_nonfinite: int = 0  # optimizer steps with a NaN/Inf loss to skip before stopping
 
     def validate(self) -> TrainConfig:
         """Clear one-line errors for values no run could use."""
@@ -57,6 +58,8 @@ class TrainConfig:
         for k in pos:
             if getattr(self, k) <= 0:
                 raise CvlError(f"--{k.replace('_', '-')} must be positive, got {getattr(self, k)}")
+        if self.skip_nonfinite < 0:
+            raise CvlError(f"--skip-nonfinite must be >= 0, got {self.skip_nonfinite}")
         if self.lr <= 0:
             raise CvlError(f"--lr must be positive, got {self.lr}")
         if self.model not in ("clip", "fusion"):
@@ -88,7 +91,16 @@ class TrainConfig:
 
 
 # Keys that do not change what is computed (a resumed run may change them freely).
-NON_RESULT_KEYS = {"out", "workers", "checkpoint_every", "log_every", "log_with", "stream"}
+# skip_nonfinite: a run stopped by a NaN must be resumable with a skip allowance added.
+NON_RESULT_KEYS = {
+    "out",
+    "workers",
+    "checkpoint_every",
+    "log_every",
+    "log_with",
+    "stream",
+    "skip_nonfinite",
+}
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
@@ -140,7 +152,10 @@ def parse_method_args(items: tuple[str, ...]) -> dict[str, Any]:
         if "=" not in it:
             raise CvlError(f"--method-arg '{it}': expected NAME=VALUE")
         k, v = it.split("=", 1)
-        out[k.strip()] = yaml.safe_load(v)
+        try:
+            out[k.strip()] = yaml.safe_load(v)
+        except yaml.YAMLError as e:
+            raise CvlError(f"--method-arg '{it}': {str(e).splitlines()[0]}") from None
     return out
 
 

@@ -18,6 +18,7 @@ import math
 import platform
 import shutil
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ from cvl.data.reader import PairDataset, eval_loader, global_batches, make_loade
 from cvl.data.transforms import image_transform
 from cvl.dist import all_reduce_mean, average_gradients, broadcast_module
 from cvl.errors import CvlError
-from cvl.io import atomic_dir, read_json, write_json
+from cvl.io import atomic_dir, read_json, recover_dir, write_json
 from cvl.methods.base import Method, TaskContext, frozen_copy
 from cvl.methods.registry import get_method
 from cvl.runs import MODEL_FILE, RUN_JSON, RUN_SCHEMA, task_dir
@@ -55,6 +56,14 @@ def cosine_schedule(total: int, warmup: float, base_lr: float, min_lr: float):
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, p)))
 
     return f
+
+
+def _manifest_sha(m: Manifest) -> str | None:
+    """SHA-256 of the stream's stream.json: a stream rebuilt in place changes it (`created`)."""
+    from cvl.streams.manifest import MANIFEST, file_sha256
+
+    f = m.root / MANIFEST if m.root is not None else None
+    return file_sha256(f) if f is not None and f.is_file() else None
 
 
 class Trainer:
@@ -116,6 +125,7 @@ class Trainer:
                 "name": m.name,
                 "task_order": list(m.task_order),
                 "fingerprint": m.fingerprint,
+                "manifest_sha256": _manifest_sha(m),
             },
             "versions": {
                 "cvl": __version__,
@@ -147,6 +157,10 @@ class Trainer:
             diff = config_diff(old.get("config", {}), cfg.to_json())
             if old.get("stream", {}).get("fingerprint") != self.manifest.fingerprint:
                 diff.append("stream: content differs (name, seed, task order or counts)")
+            elif old.get("stream", {}).get("manifest_sha256", _manifest_sha(self.manifest)) != (
+                _manifest_sha(self.manifest)
+            ):
+                diff.append("stream: stream.json was rewritten since the run started (rebuilt?)")
             if diff and not force:
                 raise CvlError(
                     f"{self.out} holds a run with another config ({'; '.join(diff)}); "
@@ -193,7 +207,7 @@ class Trainer:
     def entries_of(self, task: str) -> list:
         """Training entries of a task (indexed once per run)."""
         if task not in self._entries:
-            ds = PairDataset.from_shards(self.manifest.train_shards(task))
+            ds = PairDataset.from_shards(self.manifest.train_shards(task), name=f"task {task}")
             self._entries[task] = ds.entries
             self.skipped = getattr(self, "skipped", {})
             self.skipped[task] = dict(ds.skipped)
@@ -284,6 +298,9 @@ class Trainer:
             st = load_state(d, METHOD_STATE)
             self._restore_method_state(st, ctx)
         pos = None
+        if self.acc.is_main_process:
+            recover_dir(self.out / LAST)  # a kill inside the last/ swap: the previous one
+        self.acc.wait_for_everyone()
         lp = self.out / LAST / "position.json"
         if lp.is_file():
             pos = read_json(lp)
@@ -356,6 +373,8 @@ class Trainer:
             entries,
             transform=image_transform(self.model.image_size, train=True, augment=cfg.augment),
             tokenize=self.model.tokenizer,
+            skipped=Counter(self.skipped.get(name, {})),
+            name=f"task {name}",
         )
         gb = cfg.batch_size * acc.num_processes
         batches_per_epoch = len(global_batches(len(ds), gb, 0, 0))
@@ -404,7 +423,7 @@ class Trainer:
             loader = make_loader(
                 ds, batches[start:usable], acc.process_index, acc.num_processes, cfg.workers
             )
-            micro, t0, n_seen, replaced = 0, time.perf_counter(), 0, 0
+            micro, t0, n_seen, replaced, skip_step = 0, time.perf_counter(), 0, 0, False
             sums: dict[str, float] = {}
             mets: dict[str, float] = {}
             for bi, batch in enumerate(loader, start=start):
@@ -422,12 +441,10 @@ class Trainer:
                 if not terms:
                     raise CvlError(f"method '{cfg.method}' returned no loss terms")
                 loss = sum(terms.values())
-                if not torch.isfinite(loss):
-                    raise CvlError(
-                        f"non-finite loss at task {name}, step {ctx.step}: "
-                        + ", ".join(f"{k}={float(v):.4g}" for k, v in terms.items())
-                    )
-                acc.backward(loss / cfg.grad_accum)
+                if self._nonfinite(terms, batch, ctx):
+                    skip_step = True  # no backward: the whole optimizer step is skipped
+                else:
+                    acc.backward(loss / cfg.grad_accum)
                 for k, v in terms.items():
                     sums[k] = sums.get(k, 0.0) + float(v.detach()) / cfg.grad_accum
                 for k, v in ctx.metrics.items():
@@ -440,18 +457,20 @@ class Trainer:
                     continue
                 micro = 0
                 params = self._params()
-                average_gradients(params)
-                self.method.after_backward(ctx)
                 gnorm = None
-                if cfg.grad_clip > 0:
-                    gnorm = float(acc.clip_grad_norm_(params, cfg.grad_clip))
                 lr = opt.param_groups[0]["lr"]
-                opt.step()
+                if not skip_step:
+                    average_gradients(params)
+                    self.method.after_backward(ctx)
+                    if cfg.grad_clip > 0:
+                        gnorm = float(acc.clip_grad_norm_(params, cfg.grad_clip))
+                    opt.step()
                 sched.step()
                 opt.zero_grad(set_to_none=True)
                 ctx.step += 1
                 ctx.global_step += 1
-                self.method.after_step(ctx)
+                if not skip_step:
+                    self.method.after_step(ctx)
                 dt = time.perf_counter() - t0
                 rec = {
                     "task": name,
@@ -470,6 +489,9 @@ class Trainer:
                 )
                 if gnorm is not None:
                     rec["grad_norm"] = gnorm
+                if skip_step:
+                    rec["nonfinite_skipped"] = self.nonfinite_skipped
+                    skip_step = False
                 self._log(rec, ctx)
                 bar.update()
                 bar.set_postfix(loss=f"{rec['loss']:.3f}")
@@ -492,6 +514,39 @@ class Trainer:
         if ctx.buffer is not None:
             ctx.buffer.update(name, ctx.task_entries, ctx)
         self._finish_task(ti, ctx, [])
+
+    def _nonfinite(self, terms: dict[str, torch.Tensor], batch: dict, ctx: TaskContext) -> bool:
+        """True when a loss term is NaN/Inf on any rank and `--skip-nonfinite` allows a skip.
+
+        Every rank takes the same decision (one all-reduce of a flag), so no rank waits in a
+        collective the others skip. Past the allowance the run stops with the term names, the
+        step and the batch's sample ids; last/ still holds the previous good checkpoint.
+        """
+        bad = [k for k, v in terms.items() if not bool(torch.isfinite(v.detach()).all())]
+        if float(all_reduce_mean(torch.tensor(float(bool(bad))))) == 0.0:
+            return False
+        self.nonfinite_skipped = getattr(self, "nonfinite_skipped", 0) + 1
+        vals = ", ".join(f"{k}={float(v.detach()):.4g}" for k, v in terms.items() if k in bad)
+        where = f"task {ctx.task_name} (index {ctx.task_index}), step {ctx.step + 1}"
+        ids = [str(i) for i in batch.get("id", [])]
+        if self.nonfinite_skipped > self.cfg.skip_nonfinite:
+            lp = self.out / LAST / "position.json"
+            kept = (
+                f"last/ (task {ctx.task_index}, step {read_json(lp)['step']})"
+                if lp.is_file()
+                else "the last finished task"
+            )
+            raise CvlError(
+                f"non-finite loss at {where}: {vals or 'on another rank'}; "
+                f"sample ids (rank {self.acc.process_index}): {', '.join(ids[:32])}"
+                + (" ..." if len(ids) > 32 else "")
+                + f"; the run can resume from {kept}: fix the data or add --skip-nonfinite N"
+            )
+        self.acc.print(
+            f"warning: non-finite loss at {where} ({vals or 'on another rank'}): step skipped "
+            f"({self.nonfinite_skipped} of --skip-nonfinite {self.cfg.skip_nonfinite})"
+        )
+        return True
 
     def _validate(self, set_name: str, ctx: TaskContext, epoch: int) -> None:
         """Score the model on the task's validation pairs; the keeper keeps the best weights."""
@@ -560,6 +615,16 @@ class Trainer:
                 write_json(tmp / "position.json", {**pos, **where})
         self.acc.wait_for_everyone()
 
+    def _fault_counts(self) -> dict[str, int]:
+        """Unreadable samples replaced and NaN/Inf steps skipped in this task (from its log)."""
+        recs = []
+        if self._log_path.is_file():
+            recs = [json.loads(x) for x in self._log_path.read_text().splitlines() if x]
+        return {
+            "replaced_samples": sum(r.get("replaced_samples", 0) for r in recs),
+            "nonfinite_skipped_steps": sum(1 for r in recs if "nonfinite_skipped" in r),
+        }
+
     def _finish_task(self, ti: int, ctx: TaskContext, _: list) -> None:
         from cvl.models import save_weights
 
@@ -580,6 +645,7 @@ class Trainer:
                         "train_items": len(ctx.task_entries),
                         "buffer_items": len(ctx.buffer) if ctx.buffer is not None else 0,
                         "skipped": getattr(self, "skipped", {}).get(ctx.task_name, {}),
+                        **self._fault_counts(),
                         "selection": (
                             k.info() if (k := getattr(self, "_keeper", None)) else {"by": "last"}
                         ),

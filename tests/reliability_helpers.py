@@ -1,0 +1,202 @@
+"""Shared pieces of the reliability tests: a tiny stream, per-method CLI arguments, running
+`python -m cvl ...` as a real subprocess and SIGKILLing it from outside, comparing runs.
+
+Per-method tests are parametrized over the method registry: a method gets `METHOD_EXTRA`'s
+arguments when it has an entry there, else defaults (a reservoir buffer if it needs one).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from cvl.methods.registry import all_methods
+from cvl.runs import finished_tasks
+
+STEPS = 4  # optimizer steps per task (the kill lands inside task 2's)
+BATCH = 8
+
+# Extra `cvl train` arguments a method needs (methods without an entry: `method_args`).
+METHOD_EXTRA: dict[str, list[str]] = {
+    "incclip": [
+        *("--buffer", "reservoir", "--buffer-size", "8"),
+        *("--method-arg", "n_pseudo=16", "--method-arg", "gen_steps=2"),  # every path, cheaper
+    ],
+}
+
+
+def method_args(name: str) -> list[str]:
+    """The CLI arguments that make `name` runnable on the tiny stream."""
+    if name in METHOD_EXTRA:
+        return list(METHOD_EXTRA[name])
+    if getattr(all_methods()[name], "needs_buffer", False):
+        return ["--buffer", "reservoir", "--buffer-size", "8"]
+    return []
+
+
+def trained_methods() -> list[str]:
+    """Registered methods that take optimizer steps (zeroshot has none to interrupt)."""
+    return [n for n, c in all_methods().items() if getattr(c, "trains", True)]
+
+
+def build_tiny_stream(out: Path) -> Path:
+    """3 tasks × 32 training pairs (4 steps of 8), small eval sets (val for best-val methods)."""
+    from cvl.streams.synthetic import SynthSpec, build_synthetic
+
+    spec = SynthSpec(
+        tasks=3,
+        per_task=STEPS * BATCH,
+        test_per_task=8,
+        val_per_task=4,
+        query_per_task=4,
+        gallery_per_task=8,
+        overlap=0,
+        seed=0,
+    )
+    build_synthetic(out, spec, progress=False)
+    return out
+
+
+def train_argv(stream: Path, out: Path, method: str) -> list[str]:
+    return [
+        "train",
+        "--stream",
+        str(stream),
+        "--out",
+        str(out),
+        "--method",
+        method,
+        *method_args(method),
+        "--model-config",
+        "tiny",
+        "--epochs",
+        "1",
+        "--batch-size",
+        str(BATCH),
+        "--max-steps-per-task",
+        str(STEPS),
+        "--checkpoint-every",
+        "1",
+        "--log-with",
+        "none",
+        "--quiet",
+    ]
+
+
+def cli(argv: list[str]) -> None:
+    """Run a cvl command in this process (imports already paid); it must succeed."""
+    from cvl.cli import main
+
+    rc = main(argv)
+    assert rc in (0, None), f"cvl {' '.join(argv)} exited {rc}"
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "CVL_TEST_THREADS": "1"}
+
+
+class _Forked:
+    """A forked child of the test process running `cvl ARGV` (imports already paid: a real
+    OS process killed from outside, without the ~10 s CPU of a fresh interpreter's imports)."""
+
+    def __init__(self, argv: list[str]) -> None:
+        self.pid = os.fork()
+        if self.pid == 0:
+            code = 1
+            try:
+                cli(argv)
+                code = 0
+            finally:
+                os._exit(code)
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self) -> int:
+        if self.returncode is None:
+            _, status = os.waitpid(self.pid, 0)
+            self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+
+def kill_when(argv: list[str], ready, fork: bool = True, timeout: float = 600.0) -> int:
+    """Run `cvl ARGV` in another process and SIGKILL it as soon as `ready()` is true (polled
+    every 5 ms): a forked child of this process, or (`fork=False`) `python -m cvl ARGV`.
+
+    Fails if the process ends by itself first (the kill point was missed)."""
+    if fork:
+        p = _Forked(argv)
+    else:
+        p = subprocess.Popen(
+            [sys.executable, "-m", "cvl", *argv],
+            env=env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+    t0 = time.monotonic()
+    try:
+        while not ready():
+            if p.poll() is not None:
+                raise AssertionError(f"cvl {argv[0]} ended (rc {p.returncode}) before the kill")
+            if time.monotonic() - t0 > timeout:
+                raise AssertionError("kill point never reached")
+            time.sleep(0.005)
+        os.kill(p.pid, signal.SIGKILL)
+    finally:
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+    assert p.returncode == -signal.SIGKILL
+    return p.returncode
+
+
+def log_lines(path: Path) -> int:
+    try:
+        return len(path.read_text().splitlines())
+    except OSError:
+        return 0
+
+
+def _tensors_equal(a: Path, b: Path) -> None:
+    ta, tb = load_file(str(a)), load_file(str(b))
+    assert ta.keys() == tb.keys(), a
+    for k in ta:
+        assert ta[k].dtype == tb[k].dtype and torch.equal(ta[k], tb[k]), f"{a}: {k}"
+
+
+def assert_same_run(a: Path, b: Path) -> int:
+    """Runs `a` and `b` finished the same tasks with bit-identical weights and method state
+    (every .safetensors file), equal JSON state/task info and equal per-step losses.
+    Returns the number of task folders compared."""
+    ta, tb = finished_tasks(a), finished_tasks(b)
+    assert [c.path.name for c in ta] == [c.path.name for c in tb]
+    for ca, cb in zip(ta, tb):
+        fa = sorted(p.name for p in ca.path.iterdir())
+        assert fa == sorted(p.name for p in cb.path.iterdir()), ca.path
+        for name in fa:
+            pa, pb = ca.path / name, cb.path / name
+            if name.endswith(".safetensors"):
+                _tensors_equal(pa, pb)
+            elif name.endswith(".json"):
+                assert json.loads(pa.read_text()) == json.loads(pb.read_text()), pa
+            elif name == "train_log.jsonl":
+                ra = [json.loads(x) for x in pa.read_text().splitlines()]
+                rb = [json.loads(x) for x in pb.read_text().splitlines()]
+                drop = ("samples_per_s",)
+                assert [{k: v for k, v in r.items() if k not in drop} for r in ra] == [
+                    {k: v for k, v in r.items() if k not in drop} for r in rb
+                ], pa
+    return len(ta)

@@ -43,12 +43,14 @@ class TrainConfig:
     augment: str = "openclip"  # openclip | ctp | none
     buffer: str | None = None
     buffer_size: int = 0
-    workers: int = 0
+    workers: int = -1  # loader processes per training process: -1 = from the CPU count, 0 = none
     checkpoint_every: int = 50  # optimizer steps between mid-task checkpoints (0 = per task only)
-    log_every: int = 1
+    log_every: int = 10  # optimizer steps per train_log.jsonl line (each averages its steps)
     log_with: str = "auto"  # auto (tensorboard if installed) | tensorboard | wandb | none
     max_steps_per_task: int = 0  # debugging / smoke tests: stop each task early (0 = off)
     select: str = "auto"  # auto | last | best-val: which weights end a task (cvl.train.selection)
+    grad_checkpointing: bool = False  # recompute activations in backward (memory for compute)
+    compile: bool = False  # torch.compile the model's forward (training step only)
 
     def validate(self) -> TrainConfig:
         """Clear one-line errors for values no run could use."""
@@ -56,6 +58,8 @@ class TrainConfig:
         for k in pos:
             if getattr(self, k) <= 0:
                 raise CvlError(f"--{k.replace('_', '-')} must be positive, got {getattr(self, k)}")
+        if self.workers < -1:
+            raise CvlError(f"--workers must be -1 (auto), 0 or positive, got {self.workers}")
         if self.lr <= 0:
             raise CvlError(f"--lr must be positive, got {self.lr}")
         if self.model not in ("clip", "fusion"):
@@ -85,7 +89,17 @@ class TrainConfig:
 
 
 # Keys that do not change what is computed (a resumed run may change them freely).
-NON_RESULT_KEYS = {"out", "workers", "checkpoint_every", "log_every", "log_with", "stream"}
+# grad_checkpointing and compile compute the same function (up to floating-point rounding).
+NON_RESULT_KEYS = {
+    "out",
+    "workers",
+    "checkpoint_every",
+    "log_every",
+    "log_with",
+    "stream",
+    "grad_checkpointing",
+    "compile",
+}
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

@@ -43,6 +43,8 @@ def step_times(
             "max_steps_per_task": steps,
             "log_with": "none",
             "checkpoint_every": 0,
+            "log_every": 1,  # one line per step: the per-step times below
+            "workers": 0,  # as when the table below was measured
             **extra,
         },
     )

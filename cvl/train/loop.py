@@ -65,6 +65,19 @@ def cosine_schedule(total: int, warmup: float, base_lr: float, min_lr: float):
     return f
 
 
+def seed_torch(seed: int, device: torch.device) -> None:
+    """torch.manual_seed, without its lazy accelerator seeding when training on the CPU.
+
+    On a CPU-only run `torch.manual_seed` queues a deferred seeding call (with a captured
+    traceback) for each accelerator type every time: milliseconds per step and a list that
+    grows for the whole run. The CPU generator's draws are the same either way.
+    """
+    if device.type == "cpu":
+        torch.default_generator.manual_seed(seed)
+    else:
+        torch.manual_seed(seed)
+
+
 class _LogWindow:
     """Loss terms, metrics and counts of the optimizer steps since the last log line.
 
@@ -498,7 +511,9 @@ class Trainer:
             for bi in range(start, usable):
                 batch = next(batches)
                 if micro == 0:
-                    torch.manual_seed(sample_seed(cfg.seed, ti, epoch, ctx.step, acc.process_index))
+                    seed_torch(
+                        sample_seed(cfg.seed, ti, epoch, ctx.step, acc.process_index), acc.device
+                    )
                     ctx.generator = torch.Generator().manual_seed(
                         sample_seed(cfg.seed, ti, epoch, ctx.step)
                     )

@@ -49,7 +49,7 @@ def main() -> None:
     torch.set_num_threads(1)
     from PIL import Image
 
-    from cvl.data.reader import PairDataset, _FILES, default_workers, global_batches, make_loader
+    from cvl.data.reader import _FILES, PairDataset, default_workers, global_batches, make_loader
     from cvl.data.tokenizers import build_tokenizer
     from cvl.data.transforms import image_transform
     from cvl.streams.manifest import load_manifest
@@ -71,7 +71,7 @@ def main() -> None:
             blobs = [_FILES.read(e.shard, e.image) for e in ds.entries]
             fmt = Image.open(io.BytesIO(blobs[0])).format
 
-            def raw():
+            def raw(blobs=blobs):
                 for b in blobs:
                     im = Image.open(io.BytesIO(b))
                     im.load()
@@ -79,7 +79,7 @@ def main() -> None:
 
             items = [it for b in global_batches(len(ds), args.batch, 0, 0) for it in b]
 
-            def item():
+            def item(items=items, ds=ds):
                 for it in items:
                     ds[it]
 
@@ -89,7 +89,7 @@ def main() -> None:
             for w in [int(x) for x in args.workers.split(",")]:
                 batches = [b for e in range(2) for b in global_batches(len(ds), args.batch, 0, e)]
 
-                def loader(w=w, batches=batches):
+                def loader(w=w, batches=batches, ds=ds):
                     for _ in make_loader(ds, batches, num_workers=w):
                         pass
 

@@ -108,6 +108,6 @@ def test_two_processes_equal_one_with_double_batch(synth_stream, tmp_path):
         tmp_path,
         # loader workers on, and log lines averaging 2 steps reduced across the 2 ranks
         ["--method", "seqft", "--buffer", "reservoir", "--buffer-size", "16"]
-        + ["--workers", "2", "--log-every", "2"],
+        + ["--workers", "1", "--log-every", "2"],
     )
     assert_equivalent(l1, l2, w1, w2, keys=("loss", "itc"))

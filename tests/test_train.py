@@ -169,3 +169,51 @@ def test_cli_errors(synth_stream, tmp_path, argv, msg, capsys):
     )
     assert rc == 2
     assert msg in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind, config", [("clip", "tiny-vit"), ("fusion", "tiny")])
+def test_grad_checkpointing_gives_the_same_gradients(kind, config):
+    from cvl.losses import clip_loss
+    from cvl.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model(kind, config)
+    images = torch.randn(4, 3, model.image_size, model.image_size)
+    tokens = model.tokenizer(["red circle", "blue square", "a green star", "two dots"])
+
+    def grads():
+        model.zero_grad()
+        out = model(images, tokens)
+        clip_loss(out["image_features"], out["text_features"], out["logit_scale"]).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain = grads()
+    model.set_grad_checkpointing(True)
+    ckpt = grads()
+    assert plain.keys() == ckpt.keys() and len(plain) > 10
+    assert all(torch.allclose(plain[k], ckpt[k], atol=1e-6) for k in plain)
+
+
+def test_compile_and_grad_checkpointing_train_like_the_plain_loop(
+    synth_stream, tmp_path, monkeypatch
+):
+    """--compile wraps the training forward in torch.compile (here its 'eager' backend: the
+    same graph capture without a C++ toolchain), --grad-checkpointing recomputes activations;
+    neither changes what is computed."""
+    real = torch.compile
+    calls = []
+
+    def eager_compile(model, **kw):
+        calls.append(type(model).__name__)
+        return real(model, backend="eager")
+
+    monkeypatch.setattr(torch, "compile", eager_compile)
+    kw = dict(max_steps_per_task=2, model_config="tiny-vit")
+    _train(synth_stream, tmp_path / "plain", **kw)
+    t = _train(synth_stream, tmp_path / "fast", compile=True, grad_checkpointing=True, **kw)
+    assert calls == ["CLIPModel"] and t.model.clip.transformer.grad_checkpointing
+    la, lb = task_log(tmp_path / "plain", 2), task_log(tmp_path / "fast", 2)
+    assert [r["loss"] for r in la] == pytest.approx([r["loss"] for r in lb], abs=1e-5)
+    wa = _weights(finished_tasks(tmp_path / "plain")[-1].model_path)
+    wb = _weights(finished_tasks(tmp_path / "fast")[-1].model_path)
+    assert all(torch.allclose(wa[k], wb[k], atol=1e-5) for k in wa)

@@ -158,6 +158,14 @@ class Trainer:
             )
         except (ValueError, RuntimeError) as e:
             raise CvlError(f"accelerate: {e}") from None
+        kind = str(getattr(self.acc.distributed_type, "value", self.acc.distributed_type))
+        if kind in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
+            raise CvlError(
+                f"accelerate config selects {kind}: not supported (cvl keeps a full replica per "
+                "process and averages gradients itself, so methods can run frozen copies and "
+                "sub-encoders); use a plain multi-GPU config with --precision bf16, "
+                "--grad-checkpointing and --grad-accum (README: Scaling up)"
+            )
         self.manifest: Manifest = load_manifest(cfg.stream)
         self.method_cls = get_method(cfg.method)
         self.method: Method = self.method_cls(cfg.method_args)

@@ -7,6 +7,11 @@ contrastive matrices are built over the gathered global batch, gradients are ave
 ranks). Each optimizer step re-seeds torch's RNG and `ctx.generator` from (seed, task, epoch,
 step), so a resumed run replays the same randomness without saving RNG states.
 
+Per step, nothing leaves the device: loss terms and metrics are summed there and reduced
+across ranks (one all_reduce, one host sync) only when a log line is written, every
+`log_every` steps, at each mid-task checkpoint and at the task's end; a line holds the means
+over the steps since the previous one. One loader (with its workers) serves a whole task.
+
 Files (see `cvl/runs.py`): run.json, init/ (initial weights), tasks/NN-name/ (one per
 finished task: model, method state, log), last/ (mid-task checkpoint, atomic), logs/.
 """

@@ -194,6 +194,7 @@ def test_grad_checkpointing_gives_the_same_gradients(kind, config):
     assert all(torch.allclose(plain[k], ckpt[k], atol=1e-6) for k in plain)
 
 
+@pytest.mark.slow  # dynamo's graph capture: tens of seconds on 2 busy cores
 def test_compile_and_grad_checkpointing_train_like_the_plain_loop(
     synth_stream, tmp_path, monkeypatch
 ):
@@ -208,7 +209,7 @@ def test_compile_and_grad_checkpointing_train_like_the_plain_loop(
         return real(model, backend="eager")
 
     monkeypatch.setattr(torch, "compile", eager_compile)
-    kw = dict(max_steps_per_task=2, model_config="tiny-vit")
+    kw = dict(max_steps_per_task=1, model_config="tiny-vit")
     _train(synth_stream, tmp_path / "plain", **kw)
     t = _train(synth_stream, tmp_path / "fast", compile=True, grad_checkpointing=True, **kw)
     assert calls == ["CLIPModel"] and t.model.clip.transformer.grad_checkpointing

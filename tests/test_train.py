@@ -121,6 +121,8 @@ def test_log_lines_average_their_steps(synth_stream, tmp_path):
         assert l2[1][k] == pytest.approx(l1[2][k], rel=1e-6), k
     assert l2[0]["lr"] == l1[1]["lr"]  # the lr of the line's last step
     assert l2[1]["global_step"] == 3
+    # 16 pairs per step of real work: far below a million pairs/s (a reset clock would not be)
+    assert all(0 < r["samples_per_s"] < 1e5 for r in l1 + l2)
 
 
 def test_non_finite_loss_is_reported_at_the_log_line(synth_stream, tmp_path, monkeypatch):

@@ -583,7 +583,7 @@ class Trainer:
         self, window: _LogWindow, ctx: TaskContext, epoch: int, lr: float, bar: tqdm
     ) -> None:
         """Reduce the window across ranks (the only host sync of a step), check it, log it."""
-        n, vals = window.steps, window.reduce()
+        n, dt, vals = window.steps, window.seconds(), window.reduce()
         terms = {k[2:]: v for k, v in vals.items() if k.startswith("t:")}
         if not all(math.isfinite(v) for v in terms.values()):
             a = ctx.step - n + 1
@@ -592,7 +592,6 @@ class Trainer:
                 + (f"steps {a}-{ctx.step}: " if n > 1 else f"step {ctx.step}: ")
                 + ", ".join(f"{k}={v:.4g}" for k, v in terms.items())
             )
-        dt = window.seconds()
         rec = {
             "task": ctx.task_name,
             "task_index": ctx.task_index,

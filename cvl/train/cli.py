@@ -164,7 +164,8 @@ _OPTS = [
 @click.option(
     "--grad-checkpointing",
     is_flag=True,
-    help="Recompute encoder activations in the backward pass: less memory, ~30 %% more compute.",
+    help="Recompute encoder activations in the backward pass: less activation memory, about "
+    "one extra forward of compute.",
 )
 @click.option(
     "--compile",

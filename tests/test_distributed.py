@@ -36,6 +36,10 @@ ARGS = [
     "--quiet",
     "--checkpoint-every",
     "0",
+    "--log-every",
+    "1",
+    "--workers",
+    "0",
 ]
 
 
@@ -112,7 +116,9 @@ def test_two_processes_equal_one_with_double_batch(synth_stream, tmp_path):
     l1, l2, w1, w2 = run_pair(
         synth_stream,
         tmp_path,
-        ["--method", "seqft", "--buffer", "reservoir", "--buffer-size", "16"],
+        # loader workers on, and log lines averaging 2 steps reduced across the 2 ranks
+        ["--method", "seqft", "--buffer", "reservoir", "--buffer-size", "16"]
+        + ["--workers", "1", "--log-every", "2"],
     )
     assert_equivalent(l1, l2, w1, w2, keys=("loss", "itc"))
 

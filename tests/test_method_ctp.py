@@ -23,7 +23,15 @@ from cvl.runs import finished_tasks
 from cvl.train.config import resolve
 from cvl.train.loop import Trainer
 
-FAST = dict(epochs=1, batch_size=16, log_with="none", checkpoint_every=0, method="ctp")
+FAST = dict(
+    epochs=1,
+    batch_size=16,
+    log_with="none",
+    checkpoint_every=0,
+    method="ctp",
+    log_every=1,
+    workers=0,
+)
 
 
 def _train(stream, out, **kw):

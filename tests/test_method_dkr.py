@@ -172,6 +172,8 @@ FAST = dict(
     checkpoint_every=0,
     model_config="tiny-vit",  # no BatchNorm: old (eval) and new (train) agree at a task's start
     max_steps_per_task=3,
+    log_every=1,
+    workers=0,
 )
 
 

@@ -24,6 +24,7 @@ from cvl.methods.incclip import (
     generate_pseudo,
     kd_rows,
     margin_loss,
+    pooled_length,
     pseudo_contrastive,
     token_embedding,
 )
@@ -32,7 +33,15 @@ from cvl.runs import finished_tasks
 from cvl.train.config import resolve
 from cvl.train.loop import Trainer
 
-FAST = dict(epochs=1, batch_size=16, log_with="none", checkpoint_every=0, model_config="tiny")
+FAST = dict(
+    epochs=1,
+    batch_size=16,
+    log_with="none",
+    checkpoint_every=0,
+    model_config="tiny",
+    log_every=1,
+    workers=0,
+)
 E = math.e
 
 
@@ -206,7 +215,7 @@ def test_kd_by_hand_asymmetric_old_model_eta_and_pseudo_texts(monkeypatch, world
             "cos": torch.tensor(0.25),
         }
 
-        def current_text_tower(model, e, t):  # the current model's g_t(ē_k)
+        def current_text_tower(model, e, t, **kw):  # the current model's g_t(ē_k)
             assert model is ctx.model and e is embeds and t is tokens
             return torch.tensor(p)
 
@@ -341,6 +350,31 @@ def test_pseudo_texts_are_independent_so_ranks_can_split_them():
     ]
     got = torch.cat([h["embeds"] for h in halves])
     assert torch.allclose(got, full["embeds"], atol=1e-6)
+
+
+def test_generation_runs_only_the_positions_up_to_the_end_token(monkeypatch):
+    """The cost knob that keeps the maths: a causal tower's end-token feature ignores later
+    positions, so generating on the trimmed sequence gives the untrimmed pseudo texts."""
+    old, t, u, i, j, beta = _gen_inputs()
+    kw = dict(steps=3, lr=0.1, s_min=0.2, s_max=0.4)
+    n = pooled_length(old, t)
+    assert (
+        n == int(t.argmax(-1).max()) + 1 == 7 < t.shape[1]
+    )  # "blue square on the left" + SOT, EOT
+    fast = generate_pseudo(old, t, u, i, j, beta, **kw)
+    monkeypatch.setattr(incclip_mod, "pooled_length", lambda *a: None)
+    full = generate_pseudo(old, t, u, i, j, beta, **kw)
+    assert fast["length"] == n and full["length"] == t.shape[1]
+    assert torch.allclose(fast["embeds"], full["embeds"], atol=1e-6)
+    assert torch.equal(fast["embeds"][:, n:], full["embeds"][:, n:])  # untouched by SGD
+    assert torch.allclose(fast["old_features"], full["old_features"], atol=1e-6)
+    assert float(fast["loss"]) == pytest.approx(float(full["loss"]), abs=1e-6)
+    e = fast["embeds"]
+    assert torch.allclose(
+        encode_text_embeds(old, e, fast["tokens"]),
+        encode_text_embeds(old, e, fast["tokens"], length=t.shape[1]),
+        atol=1e-6,
+    )
 
 
 def test_bad_arguments():

@@ -17,7 +17,15 @@ from cvl.train.config import resolve
 from cvl.train.loop import Trainer
 from cvl.train.selection import BestKeeper, selection_set
 
-FAST = dict(batch_size=16, log_with="none", checkpoint_every=0, model_config="tiny", epochs=3)
+FAST = dict(
+    batch_size=16,
+    log_with="none",
+    checkpoint_every=0,
+    model_config="tiny",
+    epochs=3,
+    log_every=1,
+    workers=0,
+)
 
 
 def _train(stream, out, **kw):

@@ -15,7 +15,15 @@ from cvl.runs import finished_tasks, load_run
 from cvl.train.config import resolve
 from cvl.train.loop import Trainer, cosine_schedule
 
-FAST = dict(epochs=1, batch_size=16, log_with="none", checkpoint_every=0, model_config="tiny")
+FAST = dict(
+    epochs=1,
+    batch_size=16,
+    log_with="none",
+    checkpoint_every=0,
+    model_config="tiny",
+    log_every=1,
+    workers=0,
+)
 
 
 def _train(stream, out, force=False, **kw):
@@ -78,17 +86,57 @@ def test_reservoir_buffer_is_mixed_in_and_saved(synth_stream, tmp_path):
 
 
 def test_resume_mid_task_gives_identical_weights(synth_stream, tmp_path, monkeypatch):
+    """Run a: loader in the main process; run b: 2 loader workers, interrupted and resumed.
+
+    Same weights and the same log lines: decoding does not depend on the workers, and log
+    lines fall on checkpoint steps too (lines at 2 and 4 = checkpoints, 3 = log_every, 5 = end),
+    so a resumed run rewrites the lines it drops."""
     from cvl.methods.seqft import SeqFT
 
-    kw = dict(epochs=2, checkpoint_every=2, max_steps_per_task=5)
+    kw = dict(epochs=2, checkpoint_every=2, max_steps_per_task=5, log_every=3)
     _train(synth_stream, tmp_path / "a", **kw)
     pos = interrupt_then_resume(
-        lambda out: _train(synth_stream, out, **kw), SeqFT, tmp_path / "b", monkeypatch
+        lambda out: _train(synth_stream, out, workers=2, **kw), SeqFT, tmp_path / "b", monkeypatch
     )
     assert pos["step"] == 2
     assert_same_task_weights(tmp_path / "a", tmp_path / "b")
     la, lb = task_log(tmp_path / "a", 1), task_log(tmp_path / "b", 1)
-    assert [r["loss"] for r in la] == [r["loss"] for r in lb]
+    assert [(r["step"], r["steps"]) for r in la] == [(2, 2), (3, 1), (4, 1), (5, 1)]
+    drop = ("samples_per_s",)
+    assert [{k: v for k, v in r.items() if k not in drop} for r in la] == [
+        {k: v for k, v in r.items() if k not in drop} for r in lb
+    ]
+
+
+def test_log_lines_average_their_steps(synth_stream, tmp_path):
+    """A line every 2 steps holds the step means of what log_every=1 writes line by line."""
+    kw = dict(max_steps_per_task=3, grad_clip=1.0)
+    _train(synth_stream, tmp_path / "one", **kw)
+    _train(synth_stream, tmp_path / "two", log_every=2, **kw)
+    l1, l2 = task_log(tmp_path / "one", 0), task_log(tmp_path / "two", 0)
+    assert [r["step"] for r in l1] == [1, 2, 3] and [r["step"] for r in l2] == [2, 3]
+    assert [r["steps"] for r in l2] == [2, 1]
+    for k in ("loss", "itc", "grad_norm"):
+        assert l2[0][k] == pytest.approx((l1[0][k] + l1[1][k]) / 2, rel=1e-6), k
+        assert l2[1][k] == pytest.approx(l1[2][k], rel=1e-6), k
+    assert l2[0]["lr"] == l1[1]["lr"]  # the lr of the line's last step
+    assert l2[1]["global_step"] == 3
+    # 16 pairs per step of real work: far below a million pairs/s (a reset clock would not be)
+    assert all(0 < r["samples_per_s"] < 1e5 for r in l1 + l2)
+
+
+def test_non_finite_loss_is_reported_at_the_log_line(synth_stream, tmp_path, monkeypatch):
+    from cvl.methods.seqft import SeqFT
+
+    real = SeqFT.loss
+
+    def nan_at_step_1(self, batch, out, ctx):
+        t = real(self, batch, out, ctx)
+        return {k: v * float("nan") for k, v in t.items()} if ctx.step == 1 else t
+
+    monkeypatch.setattr(SeqFT, "loss", nan_at_step_1)
+    with pytest.raises(CvlError, match=r"non-finite loss in task t0, steps 1-3: itc=nan"):
+        _train(synth_stream, tmp_path / "n", max_steps_per_task=4, log_every=3)
 
 
 def test_changed_config_is_refused_unless_forced(synth_stream, tmp_path):
@@ -123,3 +171,52 @@ def test_cli_errors(synth_stream, tmp_path, argv, msg, capsys):
     )
     assert rc == 2
     assert msg in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind, config", [("clip", "tiny-vit"), ("fusion", "tiny")])
+def test_grad_checkpointing_gives_the_same_gradients(kind, config):
+    from cvl.losses import clip_loss
+    from cvl.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model(kind, config)
+    images = torch.randn(4, 3, model.image_size, model.image_size)
+    tokens = model.tokenizer(["red circle", "blue square", "a green star", "two dots"])
+
+    def grads():
+        model.zero_grad()
+        out = model(images, tokens)
+        clip_loss(out["image_features"], out["text_features"], out["logit_scale"]).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain = grads()
+    model.set_grad_checkpointing(True)
+    ckpt = grads()
+    assert plain.keys() == ckpt.keys() and len(plain) > 10
+    assert all(torch.allclose(plain[k], ckpt[k], atol=1e-6) for k in plain)
+
+
+@pytest.mark.slow  # dynamo's graph capture: tens of seconds on 2 busy cores
+def test_compile_and_grad_checkpointing_train_like_the_plain_loop(
+    synth_stream, tmp_path, monkeypatch
+):
+    """--compile wraps the training forward in torch.compile (here its 'eager' backend: the
+    same graph capture without a C++ toolchain), --grad-checkpointing recomputes activations;
+    neither changes what is computed."""
+    real = torch.compile
+    calls = []
+
+    def eager_compile(model, **kw):
+        calls.append(type(model).__name__)
+        return real(model, backend="eager")
+
+    monkeypatch.setattr(torch, "compile", eager_compile)
+    kw = dict(max_steps_per_task=1, model_config="tiny-vit")
+    _train(synth_stream, tmp_path / "plain", **kw)
+    t = _train(synth_stream, tmp_path / "fast", compile=True, grad_checkpointing=True, **kw)
+    assert calls == ["CLIPModel"] and t.model.clip.transformer.grad_checkpointing
+    la, lb = task_log(tmp_path / "plain", 2), task_log(tmp_path / "fast", 2)
+    assert [r["loss"] for r in la] == pytest.approx([r["loss"] for r in lb], abs=1e-5)
+    wa = _weights(finished_tasks(tmp_path / "plain")[-1].model_path)
+    wb = _weights(finished_tasks(tmp_path / "fast")[-1].model_path)
+    assert all(torch.allclose(wa[k], wb[k], atol=1e-5) for k in wa)

@@ -70,6 +70,25 @@ Choices, where the paper is silent, ambiguous, or METHODS.md reads differently:
 - Only the `clip` model (an open_clip text transformer) is supported: the pseudo texts live
   in its token-embedding space.
 
+Cost (task t > 0, per optimizer step): `gen_steps` forward+backward passes and one forward
+of the old text tower over the `n_pseudo` pseudo texts, plus one forward+backward of the
+current text tower over them in the loss; the image side is unchanged. What keeps it down
+without changing the maths:
+
+- only the positions up to the last end token of the step's pseudo texts are run
+  (`pooled_length`): with open_clip's causal mask the pooled feature never sees later
+  positions, and their gradient is exactly zero (measured on the tiny model, 32-token context,
+  synthetic captions of 3-6 words: see `benchmarks/README.md`; with 77-token contexts and
+  ~15-token captions the saving is larger);
+- generation runs once per optimizer step, so `--grad-accum k` shares it among k micro-batches
+  (the pseudo texts are a per-step quantity of the method);
+- with N processes (N dividing `n_pseudo`) each rank generates n_pseudo / N texts;
+- the generation loss statistics stay on the device (no host sync).
+
+The knobs, each linear in the generation cost: `n_pseudo` (B̂; the paper's 256 is 4× the
+real batch of the tiny recipes), `gen_steps` (5: 6 passes), and the caption length of the
+memory. `gen_images` only sizes the [B̂, B] cosine matrix of Eq. 1 (cheap).
+
 Logged terms: `contrastive` (L_c), `kd` (λ·L_d); metrics `incclip_gen_loss0` /
 `incclip_gen_loss` (mean L_G before / after the SGD steps) and `incclip_pseudo_cos` (mean
 s_ik after generation).
@@ -114,36 +133,72 @@ def token_embedding(model: Any) -> nn.Embedding:
     return tower.token_embedding
 
 
+def pooled_length(model: Any, tokens: torch.Tensor) -> int | None:
+    """1 + the last position a causal text tower pools at for `tokens` [N, L], or None.
+
+    With open_clip's causal mask, the pooled (end-token) output depends only on positions up
+    to the pooled one: later positions can be left out of the forward without changing any
+    feature, and their gradient is exactly zero. None when the tower is not causal, has a CLS
+    token, or pools elsewhere (then nothing is trimmed). One host sync (a data-dependent shape).
+    """
+    clip = getattr(model, "clip", model)
+    kind, t = _text_tower(clip)
+    if kind == "clip":
+        mask, pool, eos, cls = clip.attn_mask, clip.text_pool_type, clip.text_eos_id, None
+    else:
+        mask, pool, eos, cls = t.attn_mask, t.pool_type, getattr(t, "eos_id", None), t.cls_emb
+    if mask is None or cls is not None:
+        return None
+    if pool == "argmax":
+        idx = tokens.argmax(dim=-1)
+    elif pool == "eos" and eos is not None:
+        idx = (tokens == eos).int().argmax(dim=-1)
+    else:
+        return None
+    return int(idx.max()) + 1 if idx.numel() else None
+
+
 def encode_text_embeds(
-    model: Any, embeds: torch.Tensor, tokens: torch.Tensor, normalize: bool = True
+    model: Any,
+    embeds: torch.Tensor,
+    tokens: torch.Tensor,
+    normalize: bool = True,
+    length: int | None = None,
 ) -> torch.Tensor:
     """open_clip's `encode_text` from token embeddings [N, L, W] instead of token ids.
 
     `tokens` [N, L] only decide where the tower pools (argmax / eos position) and, for towers
     with a padding mask, which positions are masked; `encode_text_embeds(m,
-    token_embedding(m)(t), t)` equals `m.encode_text(t)`.
+    token_embedding(m)(t), t)` equals `m.encode_text(t)`. Causal towers run only the first
+    `length` positions (default: `pooled_length(model, tokens)`; the features are the same).
     """
     from open_clip.transformer import _expand_token, text_global_pool
 
     clip = getattr(model, "clip", model)
     kind, t = _text_tower(clip)
+    if length is None:
+        length = pooled_length(model, tokens)
+    if length is not None and length < embeds.shape[1]:
+        embeds, tokens = embeds[:, :length], tokens[:, :length]
+    n = embeds.shape[1]
     cast = t.transformer.get_cast_dtype()
     x = embeds.to(cast)
     if kind == "clip":
-        x = x + clip.positional_embedding.to(cast)
-        x = clip.transformer(x, attn_mask=clip.attn_mask)
+        x = x + clip.positional_embedding[:n].to(cast)
+        mask = clip.attn_mask[:n, :n] if clip.attn_mask is not None else None
+        x = clip.transformer(x, attn_mask=mask)
         x = clip.ln_final(x)
         x = text_global_pool(x, tokens, clip.text_pool_type, getattr(clip, "text_eos_id", None))
         proj = clip.text_projection
     else:
-        seq_len = x.shape[1]
+        seq_len = n
         if t.cls_emb is not None:
             x = torch.cat([x, _expand_token(t.cls_emb, x.size(0))], 1)
             seq_len += 1
-        attn_mask = t.attn_mask
+        attn_mask = t.attn_mask[:seq_len, :seq_len] if t.attn_mask is not None else None
         if t.use_pad_mask or t.cls_emb is not None:
             add = t._build_additive_mask(tokens, seq_len, x.dtype)
-            attn_mask = add if attn_mask is None else attn_mask[:seq_len, :seq_len][None] + add
+            attn_mask = add if attn_mask is None else attn_mask[None] + add
         x = x + t.positional_embedding[:seq_len].to(cast)
         x = t.transformer(x, attn_mask=attn_mask)
         if t.cls_emb is not None:
@@ -191,10 +246,13 @@ def generate_pseudo(
 
     `tokens` [B, L] / `image_features` [B, D] (normalised): the sampled memory pairs;
     `i`, `j`, `beta` [K]: the mixtures. Returns embeds [K, L, W] (detached), tokens [K, L]
-    (pooling), old_features [K, D] (the old model's features of the final embeddings) and the
+    (pooling), length (positions up to the last pooled one: the only ones optimised and
+    encoded, see `pooled_length`; the rest keep their initial values), old_features [K, D] (the old model's features of the final embeddings) and the
     mean L_G before / after (`loss0`, `loss`) and the final mean cosine (`cos`).
     """
-    e, struct = _init_pseudo(token_embedding(old), tokens, i, j, beta)
+    e_full, struct = _init_pseudo(token_embedding(old), tokens, i, j, beta)
+    n = pooled_length(old, struct) or struct.shape[1]
+    e = e_full[:, :n].clone()  # later positions: no effect on the features, zero gradient
     u = image_features.detach().float()
     loss0 = None
     with torch.enable_grad():
@@ -202,7 +260,7 @@ def generate_pseudo(
             last = step == steps
             e.requires_grad_(not last)
             with torch.set_grad_enabled(not last):
-                v = encode_text_embeds(old, e, struct).float()
+                v = encode_text_embeds(old, e, struct[:, :n], length=n).float()
                 s = v @ u.t()
                 lg = margin_loss(s, s_min, s_max)
             if loss0 is None:
@@ -212,8 +270,9 @@ def generate_pseudo(
             (g,) = torch.autograd.grad(lg.sum(), e)
             e = (e - lr * g).detach()
     return {
-        "embeds": e.detach(),
+        "embeds": torch.cat([e.detach(), e_full[:, n:]], dim=1),
         "tokens": struct,
+        "length": n,
         "old_features": v.detach(),
         "loss0": loss0,
         "loss": lg.detach().mean(),
@@ -415,13 +474,15 @@ class IncCLIP(PreviousModelMethod):
         ps = self.pseudo
         pseudo = old_pseudo = None
         if ps is not None:
-            pseudo = encode_text_embeds(ctx.model, ps["embeds"], ps["tokens"])
+            pseudo = encode_text_embeds(
+                ctx.model, ps["embeds"], ps["tokens"], length=ps.get("length")
+            )
             old_pseudo = ps["old_features"]
             if ps["split"]:
                 pseudo, old_pseudo = gather_with_grad(pseudo), gather_no_grad(old_pseudo)
-            ctx.metrics["incclip_gen_loss0"] = float(ps["loss0"])
-            ctx.metrics["incclip_gen_loss"] = float(ps["loss"])
-            ctx.metrics["incclip_pseudo_cos"] = float(ps["cos"])
+            ctx.metrics["incclip_gen_loss0"] = ps["loss0"]  # tensors: no host sync per step
+            ctx.metrics["incclip_gen_loss"] = ps["loss"]
+            ctx.metrics["incclip_pseudo_cos"] = ps["cos"]
         lc, m = pseudo_contrastive(v, w, pseudo, scale, a["alpha"])
         terms = {"contrastive": lc}
         if self.old is None:

@@ -72,6 +72,10 @@ class VLModel(nn.Module):
     def config(self) -> dict[str, Any]:
         raise NotImplementedError
 
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Recompute the encoders' transformer blocks in backward instead of storing them."""
+        raise CvlError(f"--grad-checkpointing is not supported by the '{self.kind}' model")
+
     def require_fusion(self, what: str) -> None:
         """Raise a clear error when `what` needs the fusion encoder this model lacks."""
         if not self.has_fusion:

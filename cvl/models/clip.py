@@ -163,6 +163,14 @@ class CLIPModel(VLModel):
     def config(self) -> dict[str, Any]:
         return copy.deepcopy(self._cfg)
 
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """open_clip's own: every transformer block (ViT and text) is checkpointed.
+
+        open_clip's ModifiedResNet towers (RN50, the packaged `tiny`) keep their activations;
+        only their text transformer is checkpointed.
+        """
+        self.clip.set_grad_checkpointing(enable)
+
     # --- weights -------------------------------------------------------------------------------
     def load_pretrained(self, path: str | Path) -> None:
         """Weights from a local file: an open_clip/OpenAI checkpoint or a cvl model file."""

@@ -170,6 +170,7 @@ class _Layer(nn.Module):
             self.crossattention = _Attention(c, kv_width=cross_width)
         self.intermediate = _Intermediate(c)
         self.output = _SelfOutput(c, c["intermediate_size"])
+        self.grad_checkpointing = False
 
     def forward(
         self,
@@ -177,6 +178,19 @@ class _Layer(nn.Module):
         mask: torch.Tensor | None,
         image: torch.Tensor | None = None,
         image_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if self.grad_checkpointing and torch.is_grad_enabled():
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(self._forward, x, mask, image, image_mask, use_reentrant=False)
+        return self._forward(x, mask, image, image_mask)
+
+    def _forward(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor | None,
+        image: torch.Tensor | None,
+        image_mask: torch.Tensor | None,
     ) -> torch.Tensor:
         x = self.attention(x, mask)
         if self.has_cross:
@@ -541,6 +555,12 @@ class FusionModel(VLModel):
 
     def config(self) -> dict[str, Any]:
         return copy.deepcopy(self._cfg)
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """timm's checkpointing of the ViT blocks; each BERT (text and fusion) layer likewise."""
+        self.visual_encoder.set_grad_checkpointing(enable)
+        for layer in self.text_encoder.bert.encoder.layer:
+            layer.grad_checkpointing = enable
 
     # --- pretrained weights ------------------------------------------------------------------------
     def load_image_pretrained(self, path: str | Path) -> None:

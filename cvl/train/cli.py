@@ -30,10 +30,13 @@ _OPTS = [
     "buffer_size",
     "workers",
     "checkpoint_every",
+    "log_every",
     "log_with",
     "max_steps_per_task",
     "select",
     "skip_nonfinite",
+    "grad_checkpointing",
+    "compile",
 ]
 
 
@@ -128,7 +131,12 @@ _OPTS = [
 )
 @click.option("--buffer-size", type=int, default=0, help="Replay buffer capacity (pairs).")
 @click.option(
-    "--workers", type=int, default=0, show_default=True, help="DataLoader worker processes."
+    "--workers",
+    type=int,
+    default=-1,
+    show_default=True,
+    help="Loader worker processes per training process (decode + augment): -1 = auto from "
+    "the CPU count, 0 = in the training process.",
 )
 @click.option(
     "--checkpoint-every",
@@ -136,6 +144,15 @@ _OPTS = [
     default=50,
     show_default=True,
     help="Optimizer steps between mid-task checkpoints.",
+)
+@click.option(
+    "--log-every",
+    type=int,
+    default=10,
+    show_default=True,
+    help="Optimizer steps per train_log.jsonl line (+ one at each checkpoint and task end); "
+    "a line averages the steps since the previous one. Losses are reduced across processes "
+    "only then.",
 )
 @click.option(
     "--log-with",
@@ -162,6 +179,17 @@ _OPTS = [
     show_default=True,
     help="Optimizer steps with a NaN/Inf loss to skip (no update, counted in the log as "
     "nonfinite_skipped) before the run stops; 0 = stop at the first one.",
+)
+@click.option(
+    "--grad-checkpointing",
+    is_flag=True,
+    help="Recompute encoder activations in the backward pass: less activation memory, about "
+    "one extra forward of compute.",
+)
+@click.option(
+    "--compile",
+    is_flag=True,
+    help="torch.compile the model's forward (slow first steps; pays off on long GPU runs).",
 )
 @click.option(
     "--config",

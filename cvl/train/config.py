@@ -44,13 +44,15 @@ class TrainConfig:
     augment: str = "openclip"  # openclip | ctp | none
     buffer: str | None = None
     buffer_size: int = 0
-    workers: int = 0
+    workers: int = -1  # loader processes per training process: -1 = from the CPU count, 0 = none
     checkpoint_every: int = 50  # optimizer steps between mid-task checkpoints (0 = per task only)
-    log_every: int = 1
+    log_every: int = 10  # optimizer steps per train_log.jsonl line (each averages its steps)
     log_with: str = "auto"  # auto (tensorboard if installed) | tensorboard | wandb | none
     max_steps_per_task: int = 0  # debugging / smoke tests: stop each task early (0 = off)
     select: str = "auto"  # auto | last | best-val: which weights end a task (cvl.train.selection)
     skip_nonfinite: int = 0  # optimizer steps with a NaN/Inf loss to skip before stopping
+    grad_checkpointing: bool = False  # recompute activations in backward (memory for compute)
+    compile: bool = False  # torch.compile the model's forward (training step only)
 
     def validate(self) -> TrainConfig:
         """Clear one-line errors for values no run could use."""
@@ -60,6 +62,8 @@ class TrainConfig:
                 raise CvlError(f"--{k.replace('_', '-')} must be positive, got {getattr(self, k)}")
         if self.skip_nonfinite < 0:
             raise CvlError(f"--skip-nonfinite must be >= 0, got {self.skip_nonfinite}")
+        if self.workers < -1:
+            raise CvlError(f"--workers must be -1 (auto), 0 or positive, got {self.workers}")
         if self.lr <= 0:
             raise CvlError(f"--lr must be positive, got {self.lr}")
         if self.model not in ("clip", "fusion"):
@@ -92,6 +96,7 @@ class TrainConfig:
 
 # Keys that do not change what is computed (a resumed run may change them freely).
 # skip_nonfinite: a run stopped by a NaN must be resumable with a skip allowance added.
+# grad_checkpointing and compile compute the same function (up to floating-point rounding).
 NON_RESULT_KEYS = {
     "out",
     "workers",
@@ -100,6 +105,8 @@ NON_RESULT_KEYS = {
     "log_with",
     "stream",
     "skip_nonfinite",
+    "grad_checkpointing",
+    "compile",
 }
 
 

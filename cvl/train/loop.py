@@ -7,6 +7,11 @@ contrastive matrices are built over the gathered global batch, gradients are ave
 ranks). Each optimizer step re-seeds torch's RNG and `ctx.generator` from (seed, task, epoch,
 step), so a resumed run replays the same randomness without saving RNG states.
 
+Per step, nothing leaves the device: loss terms and metrics are summed there and reduced
+across ranks (one all_reduce, one host sync) only when a log line is written, every
+`log_every` steps, at each mid-task checkpoint and at the task's end; a line holds the means
+over the steps since the previous one. One loader (with its workers) serves a whole task.
+
 Files (see `cvl/runs.py`): run.json, init/ (initial weights), tasks/NN-name/ (one per
 finished task: model, method state, log), last/ (mid-task checkpoint, atomic), logs/.
 """
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import platform
 import shutil
 import time
@@ -26,9 +32,16 @@ import torch
 from tqdm import tqdm
 
 from cvl import __version__
-from cvl.data.reader import PairDataset, eval_loader, global_batches, make_loader, sample_seed
+from cvl.data.reader import (
+    PairDataset,
+    default_workers,
+    eval_loader,
+    global_batches,
+    make_loader,
+    sample_seed,
+)
 from cvl.data.transforms import image_transform
-from cvl.dist import all_reduce_mean, average_gradients, broadcast_module
+from cvl.dist import average_gradients, broadcast_module, world_size
 from cvl.errors import CvlError
 from cvl.io import atomic_dir, read_json, recover_dir, write_json
 from cvl.methods.base import Method, TaskContext, frozen_copy
@@ -66,6 +79,81 @@ def _manifest_sha(m: Manifest) -> str | None:
     return file_sha256(f) if f is not None and f.is_file() else None
 
 
+def seed_torch(seed: int, device: torch.device) -> None:
+    """torch.manual_seed, without its lazy accelerator seeding when training on the CPU.
+
+    On a CPU-only run `torch.manual_seed` queues a deferred seeding call (with a captured
+    traceback) for each accelerator type every time: milliseconds per step and a list that
+    grows for the whole run. The CPU generator's draws are the same either way.
+    """
+    if device.type == "cpu":
+        torch.default_generator.manual_seed(seed)
+    else:
+        torch.manual_seed(seed)
+
+
+class _LogWindow:
+    """Loss terms, metrics and counts of the optimizer steps since the last log line.
+
+    Sums stay on the device (no host sync per step); `reduce()` averages them over the
+    window's steps and the ranks with one all_reduce, when a line is written.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._reset()
+
+    def _reset(self) -> None:
+        self.sums: dict[str, torch.Tensor] = {}
+        self.counts: dict[str, float] = {}  # metrics: steps (micro-batches / grad_accum) set
+        self.steps, self.samples, self.replaced, self.t0 = 0, 0, 0, time.perf_counter()
+        self.skipped = 0  # optimizer steps skipped for a non-finite loss
+
+    def _add(self, key: str, v: Any, weight: float) -> None:
+        v = torch.as_tensor(v).detach().to(self.device, torch.float32) * weight
+        self.sums[key] = self.sums[key] + v if key in self.sums else v
+
+    def add_micro(
+        self, terms: dict[str, Any], metrics: dict[str, Any], grad_accum: int, batch: dict
+    ) -> None:
+        """One micro-batch: terms and metrics enter with weight 1/grad_accum."""
+        for k, v in terms.items():
+            self._add("t:" + k, v, 1 / grad_accum)
+        for k, v in metrics.items():
+            self._add("m:" + k, v, 1 / grad_accum)
+            self.counts["m:" + k] = self.counts.get("m:" + k, 0.0) + 1 / grad_accum
+        self.samples += batch["image"].shape[0]
+        self.replaced += batch["n_replaced"]
+
+    def add_step(self, grad_norm: torch.Tensor | None) -> None:
+        self.steps += 1
+        if grad_norm is not None:
+            self._add("grad_norm", grad_norm, 1.0)
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def reduce(self) -> dict[str, float]:
+        """Step means of the window (metrics: over the steps that set them), rank means;
+        `samples` and `replaced` are totals over ranks. Resets the window."""
+        keys = sorted(self.sums)
+        vec = torch.stack(
+            [self.sums[k] for k in keys]
+            + [torch.tensor(float(x), device=self.device) for x in (self.samples, self.replaced)]
+        )
+        w = world_size()
+        if w > 1:
+            torch.distributed.all_reduce(vec)
+        vals = vec.tolist()
+        out = {}
+        for k, v in zip(keys, vals):
+            n = self.counts[k] if k.startswith("m:") else self.steps
+            out[k] = v / w / max(n, 1e-9)
+        out["samples"], out["replaced"] = vals[-2], vals[-1]
+        self._reset()
+        return out
+
+
 class Trainer:
     """Runs (or resumes) `cfg` into `cfg.out`; call `run()`."""
 
@@ -85,6 +173,14 @@ class Trainer:
             )
         except (ValueError, RuntimeError) as e:
             raise CvlError(f"accelerate: {e}") from None
+        kind = str(getattr(self.acc.distributed_type, "value", self.acc.distributed_type))
+        if kind in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
+            raise CvlError(
+                f"accelerate config selects {kind}: not supported (cvl keeps a full replica per "
+                "process and averages gradients itself, so methods can run frozen copies and "
+                "sub-encoders); use a plain multi-GPU config with --precision bf16, "
+                "--grad-checkpointing and --grad-accum (README: Scaling up)"
+            )
         self.manifest: Manifest = load_manifest(cfg.stream)
         self.method_cls = get_method(cfg.method)
         self.method: Method = self.method_cls(cfg.method_args)
@@ -94,6 +190,13 @@ class Trainer:
                 f"method '{cfg.method}' needs a replay buffer: add --buffer {hint} --buffer-size N"
             )
         self._prepare_run_dir(force)
+        if cfg.workers >= 0:
+            self.workers = cfg.workers
+        else:
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", self.acc.num_processes))
+            self.workers = default_workers(local)
+        # the training forward; methods' extra passes (old models, sub-encoders) stay eager
+        self._forward = torch.compile(self.model) if cfg.compile else self.model
         self._entries: dict[str, list] = {}
         self._prev_cache: tuple[int, Any] | None = None
 
@@ -148,6 +251,8 @@ class Trainer:
 
             start = str(init_weights_file(cfg.init_run))
         self.model = build_model(cfg.model, cfg.model_config, pretrained=start)
+        if cfg.grad_checkpointing:
+            self.model.set_grad_checkpointing(True)
         self._sync_batchnorm()
         self.model.to(self.acc.device)
         broadcast_module(self.model)
@@ -412,23 +517,42 @@ class Trainer:
             dynamic_ncols=True,
         )
         seed_task = sample_seed(cfg.seed, ti)
+        n_batches = len(global_batches(len(ds), gb, seed_task, 0))
+        usable = (n_batches // cfg.grad_accum) * cfg.grad_accum or n_batches
+
+        def plan():  # the global batches still to train, over all epochs (lazy), no more
+            left = max(0, total - ctx.step) * cfg.grad_accum
+            for e in range(epoch0, cfg.epochs):
+                bs = global_batches(len(ds), gb, seed_task, e)[:usable]
+                take = bs[(batch0 if e == epoch0 else 0) :][:left]
+                left -= len(take)
+                yield from take
+
+        # one loader (one set of workers) for the whole task: they prefetch across epoch ends
+        batches = iter(
+            make_loader(
+                ds,
+                plan(),
+                acc.process_index,
+                acc.num_processes,
+                self.workers,
+                pin_memory=acc.device.type == "cuda",
+            )
+        )
+        window = _LogWindow(acc.device)
         done = ctx.step >= total
         for epoch in range(epoch0, cfg.epochs):
             if done:
                 break
             ctx.epoch = epoch
-            batches = global_batches(len(ds), gb, seed_task, epoch)
-            usable = (len(batches) // cfg.grad_accum) * cfg.grad_accum or len(batches)
             start = batch0 if epoch == epoch0 else 0
-            loader = make_loader(
-                ds, batches[start:usable], acc.process_index, acc.num_processes, cfg.workers
-            )
-            micro, t0, n_seen, replaced, skip_step = 0, time.perf_counter(), 0, 0, False
-            sums: dict[str, float] = {}
-            mets: dict[str, float] = {}
-            for bi, batch in enumerate(loader, start=start):
+            micro, skip_step = 0, False
+            for bi in range(start, usable):
+                batch = next(batches)
                 if micro == 0:
-                    torch.manual_seed(sample_seed(cfg.seed, ti, epoch, ctx.step, acc.process_index))
+                    seed_torch(
+                        sample_seed(cfg.seed, ti, epoch, ctx.step, acc.process_index), acc.device
+                    )
                     ctx.generator = torch.Generator().manual_seed(
                         sample_seed(cfg.seed, ti, epoch, ctx.step)
                     )
@@ -436,22 +560,17 @@ class Trainer:
                 batch["image"] = batch["image"].to(acc.device, non_blocking=True)
                 batch["text"] = batch["text"].to(acc.device, non_blocking=True)
                 with acc.autocast():
-                    out = self.model(batch["image"], batch["text"])
+                    out = self._forward(batch["image"], batch["text"])
                     terms = self.method.loss(batch, out, ctx)
                 if not terms:
                     raise CvlError(f"method '{cfg.method}' returned no loss terms")
                 loss = sum(terms.values())
-                if self._nonfinite(terms, batch, ctx):
-                    skip_step = True  # no backward: the whole optimizer step is skipped
+                if self._nonfinite(loss, terms, batch, ctx):
+                    skip_step = True  # no backward; the whole optimizer step is skipped
                 else:
                     acc.backward(loss / cfg.grad_accum)
-                for k, v in terms.items():
-                    sums[k] = sums.get(k, 0.0) + float(v.detach()) / cfg.grad_accum
-                for k, v in ctx.metrics.items():
-                    mets[k] = mets.get(k, 0.0) + float(v) / cfg.grad_accum
+                    window.add_micro(terms, ctx.metrics, cfg.grad_accum, batch)
                 ctx.metrics = {}
-                n_seen += batch["image"].shape[0]
-                replaced += batch["n_replaced"]
                 micro += 1
                 if micro < cfg.grad_accum:
                     continue
@@ -463,48 +582,30 @@ class Trainer:
                     average_gradients(params)
                     self.method.after_backward(ctx)
                     if cfg.grad_clip > 0:
-                        gnorm = float(acc.clip_grad_norm_(params, cfg.grad_clip))
+                        gnorm = acc.clip_grad_norm_(params, cfg.grad_clip)
                     opt.step()
                 sched.step()
                 opt.zero_grad(set_to_none=True)
                 ctx.step += 1
                 ctx.global_step += 1
-                if not skip_step:
-                    self.method.after_step(ctx)
-                dt = time.perf_counter() - t0
-                rec = {
-                    "task": name,
-                    "task_index": ti,
-                    "epoch": epoch,
-                    "step": ctx.step,
-                    "global_step": ctx.global_step,
-                    "lr": lr,
-                    "loss": float(all_reduce_mean(torch.tensor(sum(sums.values())))),
-                    **{k: float(all_reduce_mean(torch.tensor(v))) for k, v in sums.items()},
-                    "samples_per_s": n_seen * acc.num_processes / max(dt, 1e-9),
-                    "replaced_samples": replaced,
-                }
-                rec.update(
-                    {f"m/{k}": float(all_reduce_mean(torch.tensor(v))) for k, v in mets.items()}
-                )
-                if gnorm is not None:
-                    rec["grad_norm"] = gnorm
                 if skip_step:
-                    rec["nonfinite_skipped"] = self.nonfinite_skipped
                     skip_step = False
-                self._log(rec, ctx)
-                bar.update()
-                bar.set_postfix(loss=f"{rec['loss']:.3f}")
-                sums, mets, n_seen, replaced, t0 = {}, {}, 0, 0, time.perf_counter()
+                    window.skipped += 1
+                else:
+                    self.method.after_step(ctx)
+                    window.add_step(gnorm)
+                ckpt = bool(cfg.checkpoint_every) and ctx.step % cfg.checkpoint_every == 0
+                if ctx.step % cfg.log_every == 0 or ctx.step >= total or ckpt:
+                    self._flush_log(window, ctx, epoch, lr, bar)
                 if ctx.step >= total:
                     done = True
                     break
-                if cfg.checkpoint_every and ctx.step % cfg.checkpoint_every == 0:
+                if ckpt:
                     nxt = (epoch, bi + 1) if bi + 1 < usable else (epoch + 1, 0)
                     self._save_last(ctx, opt, sched, {"epoch": nxt[0], "batch": nxt[1]})
-            batch0 = 0
             if self._keeper is not None:
                 self._validate(sel, ctx, epoch)
+        del batches  # stops the loader's workers
         bar.close()
         if self._keeper is not None and self._keeper.weights is not None:
             self.model.load_state_dict(self._keeper.weights)  # the task ends with the best
@@ -515,16 +616,23 @@ class Trainer:
             ctx.buffer.update(name, ctx.task_entries, ctx)
         self._finish_task(ti, ctx, [])
 
-    def _nonfinite(self, terms: dict[str, torch.Tensor], batch: dict, ctx: TaskContext) -> bool:
-        """True when a loss term is NaN/Inf on any rank and `--skip-nonfinite` allows a skip.
+    def _nonfinite(
+        self, loss: torch.Tensor, terms: dict[str, torch.Tensor], batch: dict, ctx: TaskContext
+    ) -> bool:
+        """True when the loss is NaN/Inf on any rank and `--skip-nonfinite` allows a skip.
 
-        Every rank takes the same decision (one all-reduce of a flag), so no rank waits in a
-        collective the others skip. Past the allowance the run stops with the term names, the
-        step and the batch's sample ids; last/ still holds the previous good checkpoint.
+        The one host sync of a step (a finiteness flag; with several processes one all-reduce
+        of it, so every rank takes the same decision and none waits in a collective the others
+        skip): stopping at the exact step, with the batch's sample ids, needs it. Past the
+        allowance the run stops with the term names, the step and the sample ids; last/ still
+        holds the previous good checkpoint.
         """
-        bad = [k for k, v in terms.items() if not bool(torch.isfinite(v.detach()).all())]
-        if float(all_reduce_mean(torch.tensor(float(bool(bad))))) == 0.0:
+        flag = torch.isfinite(loss.detach()).float()
+        if world_size() > 1:
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+        if bool(flag):
             return False
+        bad = [k for k, v in terms.items() if not bool(torch.isfinite(v.detach()).all())]
         self.nonfinite_skipped = getattr(self, "nonfinite_skipped", 0) + 1
         vals = ", ".join(f"{k}={float(v.detach()):.4g}" for k, v in terms.items() if k in bad)
         where = f"task {ctx.task_name} (index {ctx.task_index}), step {ctx.step + 1}"
@@ -547,6 +655,39 @@ class Trainer:
             f"({self.nonfinite_skipped} of --skip-nonfinite {self.cfg.skip_nonfinite})"
         )
         return True
+
+    def _flush_log(
+        self, window: _LogWindow, ctx: TaskContext, epoch: int, lr: float, bar: tqdm
+    ) -> None:
+        """Reduce the window across ranks (one all_reduce per line) and log it.
+
+        Steps skipped for a non-finite loss (`--skip-nonfinite`) are not in the means; the
+        line counts them as `nonfinite_skipped`.
+        """
+        n, skipped, dt = window.steps, window.skipped, window.seconds()
+        vals = window.reduce()
+        terms = {k[2:]: v for k, v in vals.items() if k.startswith("t:")}
+        rec = {
+            "task": ctx.task_name,
+            "task_index": ctx.task_index,
+            "epoch": epoch,
+            "step": ctx.step,
+            "global_step": ctx.global_step,
+            "steps": n,
+            "lr": lr,
+            "loss": sum(terms.values()),
+            **terms,
+            "samples_per_s": vals["samples"] / max(dt, 1e-9),
+            "replaced_samples": int(vals["replaced"]),
+        }
+        rec.update({f"m/{k[2:]}": v for k, v in vals.items() if k.startswith("m:")})
+        if "grad_norm" in vals:
+            rec["grad_norm"] = vals["grad_norm"]
+        if skipped:
+            rec["nonfinite_skipped"] = skipped
+        self._log(rec, ctx)
+        bar.update(n + skipped)
+        bar.set_postfix(loss=f"{rec['loss']:.3f}")
 
     def _validate(self, set_name: str, ctx: TaskContext, epoch: int) -> None:
         """Score the model on the task's validation pairs; the keeper keeps the best weights."""
@@ -572,15 +713,12 @@ class Trainer:
     def _log(self, rec: dict[str, Any], ctx: TaskContext) -> None:
         if not self.acc.is_main_process:
             return
-        if ctx.step % self.cfg.log_every == 0 or ctx.step == ctx.steps_in_task:
-            self._log_path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self._log_path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(rec) + "\n")
-            if self._trackers(self.cfg.log_with):
-                scalars = {
-                    f"{ctx.task_name}/{k}": v for k, v in rec.items() if isinstance(v, float)
-                }
-                self.acc.log(scalars, step=ctx.global_step)
+        self._log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self._log_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(rec) + "\n")
+        if self._trackers(self.cfg.log_with):
+            scalars = {f"{ctx.task_name}/{k}": v for k, v in rec.items() if isinstance(v, float)}
+            self.acc.log(scalars, step=ctx.global_step)
 
     def _truncate_log(self, step: int) -> None:
         """Drop log lines written after the checkpoint we resume from (they will be redone)."""

@@ -37,8 +37,9 @@ def method_args(name: str) -> list[str]:
     """The CLI arguments that make `name` runnable on the tiny stream."""
     if name in METHOD_EXTRA:
         return list(METHOD_EXTRA[name])
-    if getattr(all_methods()[name], "needs_buffer", False):
-        return ["--buffer", "reservoir", "--buffer-size", "8"]
+    cls = all_methods()[name]
+    if getattr(cls, "needs_buffer", False):  # the buffer the method asks for (iCaRL: mof)
+        return ["--buffer", getattr(cls, "buffer_hint", "reservoir"), "--buffer-size", "8"]
     return []
 
 

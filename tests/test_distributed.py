@@ -126,11 +126,16 @@ def test_two_processes_equal_one_with_double_batch(synth_stream, tmp_path):
 # Relative per-step loss tolerance where a temperature demands it (default: 1e-5 absolute).
 # IncCLIP: τ_old = 0.01 puts the old logits at ~100, where float32 log-softmax is exact to
 # ~2e-5 per entry (×λ = 5 in `kd`); measured 2.7e-5 on kd ≈ 19 (1.4e-6 relative).
-TOL: dict[str, float] = {"incclip": 5e-5}
+# LwF / iCaRL (CTP code's variant): softmax of *unnormalised* projections / 0.07 over the
+# embedding dims; after one AdamW step the rounding of the two reductions shows at ~1e-5
+# relative (measured 2.7e-5 on a loss of 2.87, step 2 of task 2; step 1 within 1e-5).
+TOL: dict[str, float] = {"incclip": 5e-5, "lwf": 5e-5, "icarl": 5e-5}
 # Adam ε 1e-3 instead of 1e-6 (a YAML recipe; the CLI has no --eps): with τ_old = 0.01,
 # AdamW's first steps turn gradient rounding on near-zero-gradient weights into updates of
 # up to ±lr (final weights 2e-4 apart at ε = 1e-6; see test_method_incclip.py).
-EPS_1E3 = {"incclip"}
+# iCaRL likewise (LwF's 0.07-temperature softmax of unnormalised features on buffer + new
+# items): final weights beyond 5e-5 at ε = 1e-6 although every logged loss agrees.
+EPS_1E3 = {"incclip", "icarl"}
 WEIGHT_ATOL = 5e-5  # measured ≤ 3.7e-5 (modx), ≤ 1.5e-5 otherwise; see assert_weights_close
 
 

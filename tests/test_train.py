@@ -125,7 +125,9 @@ def test_log_lines_average_their_steps(synth_stream, tmp_path):
     assert all(0 < r["samples_per_s"] < 1e5 for r in l1 + l2)
 
 
-def test_non_finite_loss_is_reported_at_the_log_line(synth_stream, tmp_path, monkeypatch):
+def test_non_finite_loss_stops_at_its_step_even_between_log_lines(
+    synth_stream, tmp_path, monkeypatch
+):
     from cvl.methods.seqft import SeqFT
 
     real = SeqFT.loss
@@ -135,7 +137,7 @@ def test_non_finite_loss_is_reported_at_the_log_line(synth_stream, tmp_path, mon
         return {k: v * float("nan") for k, v in t.items()} if ctx.step == 1 else t
 
     monkeypatch.setattr(SeqFT, "loss", nan_at_step_1)
-    with pytest.raises(CvlError, match=r"non-finite loss in task t0, steps 1-3: itc=nan"):
+    with pytest.raises(CvlError, match=r"non-finite loss at task t0 \(index 0\), step 2: itc=nan"):
         _train(synth_stream, tmp_path / "n", max_steps_per_task=4, log_every=3)
 
 

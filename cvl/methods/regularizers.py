@@ -98,7 +98,7 @@ def task_batches(ctx: TaskContext, entries: list, seed: int, epoch: int = 0) -> 
     )
     rank, world = acc.process_index, acc.num_processes
     batches = global_batches(len(ds), cfg.batch_size * world, seed, epoch)
-    for b in make_loader(ds, batches, rank, world, cfg.workers):
+    for b in make_loader(ds, batches, rank, world, getattr(ctx.services, "workers", 0)):
         b["image"] = b["image"].to(acc.device)
         b["text"] = b["text"].to(acc.device)
         yield b

@@ -108,6 +108,7 @@ class _LogWindow:
         self.counts: dict[str, float] = {}  # metrics: steps (micro-batches / grad_accum) set
         self.steps, self.samples, self.replaced, self.t0 = 0, 0, 0, time.perf_counter()
         self.skipped = 0  # optimizer steps skipped for a non-finite loss
+        self.skipped_terms: dict[str, float] = {}  # the last skipped step's terms (NaN/Inf)
 
     def _add(self, key: str, v: Any, weight: float) -> None:
         v = torch.as_tensor(v).detach().to(self.device, torch.float32) * weight
@@ -591,6 +592,7 @@ class Trainer:
                 if skip_step:
                     skip_step = False
                     window.skipped += 1
+                    window.skipped_terms = {k: float(v.detach()) for k, v in terms.items()}
                 else:
                     self.method.after_step(ctx)
                     window.add_step(gnorm)
@@ -662,11 +664,15 @@ class Trainer:
         """Reduce the window across ranks (one all_reduce per line) and log it.
 
         Steps skipped for a non-finite loss (`--skip-nonfinite`) are not in the means; the
-        line counts them as `nonfinite_skipped`.
+        line counts them as `nonfinite_skipped` (a line of skipped steps only shows the last
+        one's non-finite terms).
         """
         n, skipped, dt = window.steps, window.skipped, window.seconds()
+        bad_terms = window.skipped_terms
         vals = window.reduce()
         terms = {k[2:]: v for k, v in vals.items() if k.startswith("t:")}
+        if n == 0 and skipped:  # a line of skipped steps only: show the values that failed
+            terms = bad_terms
         rec = {
             "task": ctx.task_name,
             "task_index": ctx.task_index,

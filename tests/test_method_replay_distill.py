@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 from train_helpers import assert_same_task_weights, interrupt_then_resume, task_log, train_run
 
 from cvl.errors import CvlError
@@ -260,7 +261,9 @@ def test_wise_interpolates_and_passes_arguments_to_the_base():
     with torch.no_grad():
         a.weight.fill_(1.0), a.bias.fill_(2.0), b.weight.fill_(3.0), b.bias.fill_(0.0)
     interpolate_(a, b, 0.25)  # 0.25·a + 0.75·b
-    assert torch.equal(a.weight, torch.full((1, 2), 2.5)) and float(a.bias.detach()) == pytest.approx(0.5)
+    assert torch.equal(a.weight, torch.full((1, 2), 2.5)) and float(
+        a.bias.detach()
+    ) == pytest.approx(0.5)
     m = WiSE({"base": "lwf", "alpha": 0.7, "variant": "logits"})
     assert m.args == {"base": "lwf", "alpha": 0.7, "first_task": False}
     assert m.inner.args["variant"] == "logits"
@@ -372,3 +375,118 @@ def test_wise_alpha_zero_keeps_the_first_tasks_weights(synth_stream, tmp_path):
     ws = [load_file(str(c.model_path)) for c in finished_tasks(tmp_path / "w")]
     floats = [k for k in ws[0] if ws[0][k].is_floating_point()]
     assert all(torch.equal(ws[0][k], w[k]) for w in ws[1:] for k in floats)
+
+
+# -- 2 processes × 8 rows == 1 process × 16 rows: one shared spawn for every cross-rank term ----
+
+EXEMPLARS = (1, 5, 6, 11, 12)  # 3 buffer rows on rank 0, 2 on rank 1
+
+
+def _cross_rank(rows: slice, world: int, rank: int, stream: str) -> dict:
+    """On this process's rows: DER's stored targets (embedding in parts + gather), one loss +
+    backward of der / der++ / co2l / erl / geodl, and AFC's feature importance."""
+    from distill_helpers import _setup
+
+    from cvl.data.reader import PairDataset
+    from cvl.dist import all_reduce_mean, average_gradients, gather_no_grad
+    from cvl.methods.afc import feature_importance
+    from cvl.methods.der import embed_pairs
+    from cvl.streams.manifest import load_manifest
+
+    res: dict = {}
+    model, *_ = _setup("seqft", {})
+    entries = PairDataset.from_shards(load_manifest(stream).train_shards("t0")).entries[:9]
+    acc = None
+    if world > 1:
+        acc = SimpleNamespace(
+            process_index=rank,
+            num_processes=world,
+            device=torch.device("cpu"),
+            gather=gather_no_grad,
+        )
+    res["stored"] = torch.cat(embed_pairs(model, entries, acc), 1)
+    g = torch.Generator().manual_seed(5)
+    buf = Buffer(16)
+    buf.items = {"t0": [("s.tar", f"k{i}") for i in EXEMPLARS]}
+    buf.set_payload(
+        buf.items["t0"],
+        **{
+            IMAGE: F.normalize(torch.randn(5, model.embed_dim, generator=g), dim=-1),
+            TEXT: F.normalize(torch.randn(5, model.embed_dim, generator=g), dim=-1),
+        },
+    )
+    for name, method, args in (
+        ("der", "der", {}),
+        ("derpp", "der", {"derpp": True}),
+        ("co2l", "co2l", {}),
+        ("erl", "erl", {}),
+        ("geodl", "geodl", {"dim": 4}),
+    ):
+        model, m, ctx, images, texts = _setup(method, args)
+        ctx.task_index, ctx.buffer = 1, buf
+        keys = [f"k{i}" for i in range(16)][rows]
+        batch = {
+            "image": images[rows],
+            "text": texts[rows],
+            "shard": ["s.tar"] * len(keys),
+            "key": keys,
+        }
+        out = model(batch["image"], batch["text"])
+        terms = m.loss(batch, out, ctx)
+        sum(terms.values()).backward()
+        params = [p for p in model.parameters() if p.requires_grad]
+        average_gradients(params)
+        vals = {k: float(all_reduce_mean(v.detach())) for k, v in terms.items()}
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        res[name] = (vals, grads)
+    model, m, ctx, images, texts = _setup("afc", {})
+    ctx.task_index = 0
+    res["afc"] = feature_importance(model, [{"image": images[rows], "text": texts[rows]}], ctx)
+    return res
+
+
+def _worker(rank: int, port: int, out: str, stream: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        res = _cross_rank(slice(rank * 8, (rank + 1) * 8), 2, rank, stream)
+        if rank == 0:
+            torch.save(res, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_cross_rank_state_two_processes_equal_one(synth_stream, tmp_path):
+    """DER's stored targets are the same rows whichever process embedded an item (9 items:
+    5 + 4 per process); der, der++, co2l (anchor rows differ per rank), erl (exemplar counts
+    differ per rank), geodl (subspaces of the global batch): loss and averaged gradients;
+    AFC's importance (gradients of the global ITC)."""
+    import socket
+
+    import torch.multiprocessing as mp
+    from distill_helpers import assert_same_gradients
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "two.pt")
+    mp.spawn(_worker, args=(port, out, str(synth_stream)), nprocs=2, join=True)
+    two, one = (
+        torch.load(out, weights_only=True),
+        _cross_rank(slice(0, 16), 1, 0, str(synth_stream)),
+    )
+    assert one["stored"].shape[0] == 9
+    assert torch.allclose(two["stored"], one["stored"], atol=1e-6)
+    for name in ("der", "derpp", "co2l", "erl", "geodl"):
+        (v2, g2), (v1, g1) = two[name], one[name]
+        assert set(v1) == set(v2)
+        assert all(v1[k] > 0 for k in v1), (name, v1)
+        for k in v1:
+            assert v2[k] == pytest.approx(v1[k], rel=1e-5, abs=1e-7), (name, k)
+        assert_same_gradients(g1, g2, rel=1e-4)
+    for k in ("image", "text"):
+        assert torch.allclose(two["afc"][k], one["afc"][k], rtol=1e-4, atol=1e-6), k
+        assert float(one["afc"][k].mean()) == pytest.approx(1.0)

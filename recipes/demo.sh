@@ -10,7 +10,8 @@
 #   5. Mod-X's rotation analysis (SAM / RAM / ImAV) of seqft vs Mod-X.
 #
 # Usage: recipes/demo.sh [OUT_DIR]   (METHODS="seqft modx" to choose the methods; also joint,
-#        dha-dagger; SEED=N; recipes/synthetic_benchmark.sh runs it over 3 seeds)
+#        dha-dagger, der, derpp, co2l, geodl, erl, afc, wise, zscl;
+#        SEED=N; recipes/synthetic_benchmark.sh runs it over 3 seeds)
 # Rerunning reuses what is finished (stream, runs, evaluations). What was traded for the
 # 5-minute budget (against recipes/synthetic_methods.sh): 600 pairs per task and 2 epochs
 # (instead of 1,000-2,000 and 4), 128 test pairs per task, no linear probe or zero-shot
@@ -45,6 +46,9 @@ args_of() {  # the method's CLI arguments (paper defaults; replay 5 % of the str
     dha) echo "--method dha --buffer ring --buffer-size 150" ;;
     dha-dagger) echo "--method dha" ;;  # DHA without its buffer (DHA† in the paper)
     incclip) echo "--method incclip --buffer reservoir --buffer-size 300" ;;
+    der | co2l | erl) echo "--method $1 --buffer reservoir --buffer-size 150" ;;
+    derpp) echo "--method der --method-arg derpp=true --buffer reservoir --buffer-size 150" ;;
+    zscl) echo "--method zscl --method-arg ref_stream=$STREAM/pretrain" ;;  # teacher: CLIP_0
     *) echo "--method $1" ;;
   esac
 }

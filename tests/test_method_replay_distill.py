@@ -293,7 +293,7 @@ def test_zscl_weight_ensemble_is_a_running_mean():
     ctx.step = 3
     m.after_step(ctx)  # the last step is averaged in by after_task, once
     m.after_task(ctx)
-    assert float(lin.weight) == pytest.approx((0 + 3 + 6 + 9) / 4)
+    assert float(lin.weight.detach()) == pytest.approx((0 + 3 + 6 + 9) / 4)
     assert m.own_state()["we_n"] == 4
 
 

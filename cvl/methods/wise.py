@@ -46,7 +46,10 @@ class Wrapper(Method):
         try:
             self.inner: Method = cls(args)
         except CvlError as e:
-            raise CvlError(f"method '{self.name}' (base {base}): {e}") from None
+            own_args = ", ".join(type(self).defaults)
+            raise CvlError(
+                f"method '{self.name}' (base {base}): {e}; {self.name}'s own: {own_args}"
+            ) from None
         for k in _PASSED:
             if hasattr(self.inner, k):
                 setattr(self, k, getattr(self.inner, k))

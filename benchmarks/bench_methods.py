@@ -42,11 +42,29 @@ FLOORS = {
     "lwf": (4 / 3, "one extra no-grad forward (old model)"),
     "icarl": (4 / 3, "one extra no-grad forward (old model)"),
     "lucir": (4 / 3, "one extra no-grad forward (old model)"),
+    "der": (1.0, "stored-target lookup + MSE (targets are embedded once per task, before it)"),
+    "derpp": (1.0, "as der + a masked InfoNCE on the same logits"),
+    "co2l": (4 / 3, "one extra no-grad forward (old model)"),
+    "geodl": (4 / 3, "one extra no-grad forward (old model) + two d×d SVDs per modality"),
+    "erl": (4 / 3, "one extra no-grad forward (old model)"),
+    "afc": (4 / 3, "one extra no-grad forward (old model); importance pass per task"),
+    "wise": (1.0, "nothing per step (one interpolation per task)"),
+    "zscl": (7 / 3, "forward + backward on a reference batch of B + the teacher's no-grad forward"),
 }
 EXTRAS = {
     "incclip": {"buffer": "reservoir", "buffer_size": 256, "method_args": {}},
     "icarl": {"buffer": "mof", "buffer_size": 64},
     "lucir": {"buffer": "mof", "buffer_size": 64},
+    "der": {"buffer": "reservoir", "buffer_size": 64},
+    "derpp": {
+        "method": "der",
+        "buffer": "reservoir",
+        "buffer_size": 64,
+        "method_args": {"derpp": True},
+    },
+    "co2l": {"buffer": "ring", "buffer_size": 64},
+    "erl": {"buffer": "reservoir", "buffer_size": 64},
+    "zscl": {"method_args": {"ref_stream": "STREAM"}},
 }
 
 
@@ -60,6 +78,12 @@ def step_times(
     from cvl.train.config import resolve
     from cvl.train.loop import Trainer
 
+    extra = dict(extra)
+    method = extra.pop("method", method)
+    if "method_args" in extra:  # the reference stream of zscl: the benchmark's own stream
+        extra["method_args"] = {
+            k: str(stream) if v == "STREAM" else v for k, v in extra["method_args"].items()
+        }
     cfg = resolve(
         None,
         {
@@ -80,6 +104,7 @@ def step_times(
     )
     cls = get_method(method)
     timed: dict[str, list[float]] = {
+        "before_task": [],
         "after_task": [],
         "buffer": [],
         "expanded_epoch": [],
@@ -88,6 +113,7 @@ def step_times(
         "after_step": [],
     }
     patches = [(cls, "after_task", "after_task"), (Buffer, "update", "buffer")]
+    patches.append((cls, "before_task", "before_task"))
     patches += [(cls, h, h) for h in ("before_step", "after_backward", "after_step")]
     if hasattr(cls, "_expanded_epoch"):
         patches.append((cls, "_expanded_epoch", "expanded_epoch"))
@@ -130,6 +156,8 @@ def step_times(
         "hooks": hooks,
         # task 0's hooks (after the last task, importance passes are skipped)
         "after_task": timed["after_task"][0] if timed["after_task"] else 0.0,
+        # task 1's (DER embeds the buffer items stored after task 0)
+        "before_task": timed["before_task"][-1] if timed["before_task"] else 0.0,
         "buffer": timed["buffer"][0] if timed["buffer"] else 0.0,
         "expanded_epoch": statistics.mean(timed["expanded_epoch"])
         if timed["expanded_epoch"]
@@ -178,7 +206,9 @@ def incclip_generation(stream: Path, batch: int, repeats: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
-        "--methods", default="ctp,modx,dkr,dha,incclip,ewc,si,mas,rwalk,afec,lwf,icarl,lucir"
+        "--methods",
+        default="ctp,modx,dkr,dha,incclip,ewc,si,mas,rwalk,afec,lwf,icarl,lucir,"
+        "der,derpp,co2l,geodl,erl,afc,wise,zscl",
     )
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--batch-size", type=int, default=64)
@@ -205,7 +235,7 @@ def main() -> None:
         )
         runs = []
         for name in args.methods.split(","):
-            if name not in all_methods():
+            if EXTRAS.get(name, {}).get("method", name) not in all_methods():
                 results[name] = {"error": "not registered"}
                 continue
             models = ("clip", "fusion") if name in fusion_too and args.fusion else ("clip",)
@@ -250,7 +280,7 @@ def main() -> None:
             res["hooks_share_of_step"] = round(t["hooks"] / t["step"], 4)
             extra = {
                 k: (round(t[k], 3), round(t[k] / epoch, 2))
-                for k in ("after_task", "buffer", "expanded_epoch")
+                for k in ("before_task", "after_task", "buffer", "expanded_epoch")
                 if t[k] > 0.005
             }
             if extra:

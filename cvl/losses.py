@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from cvl.dist import gather_with_grad, local_rows
+from cvl.dist import gather_no_grad, gather_with_grad, local_rows
 
 
 def global_logits(
@@ -141,3 +141,64 @@ def cosine_distance(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     `target` (the old model's states) carries no gradient. LUCIR's "less-forget" term.
     """
     return (1.0 - F.cosine_similarity(x, target.detach(), dim=-1)).mean()
+
+
+# -- masked rows / columns of the global batch (replay-aware methods: DER, Co2L, ERL) -----------
+
+
+def global_count(mask: torch.Tensor) -> torch.Tensor:
+    """Number of True entries of a per-row mask over the whole global batch (no gradient)."""
+    from cvl.dist import all_reduce_mean, world_size
+
+    return all_reduce_mean(mask.float().sum()) * world_size()
+
+
+def global_masked_mean(per_row: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of `per_row` over the rows of the global batch where `mask` holds.
+
+    Each rank returns (its masked sum)·world/(global count), so the rank-averaged value and
+    gradient are the one-process mean even when ranks hold different numbers of masked rows;
+    0 (with a graph) when no row of the global batch is masked in.
+    """
+    from cvl.dist import world_size
+
+    n = global_count(mask)
+    return (per_row * mask.float()).sum() * world_size() / n.clamp(min=1.0)
+
+
+_MASKED = -1.0e4  # a left-out column's logit: exp underflows to 0, finite in fp16 too
+
+
+def masked_clip_loss(
+    image: torch.Tensor,
+    text: torch.Tensor,
+    scale: torch.Tensor | float,
+    anchors: torch.Tensor,
+    candidates: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Symmetric InfoNCE over the global batch with only some rows as anchors.
+
+    `anchors` (bool, this rank's rows): rows whose i2t and t2i cross-entropies are averaged;
+    `candidates` (bool, this rank's rows; default all): columns that take part in the softmax
+    (gathered over ranks). Co2L's asymmetric loss: anchors = current-task items, candidates =
+    all (buffer items are negatives only); DER: anchors = candidates = current-task items.
+    """
+    i2t, t2i, y = global_logits(image, text, scale)
+    if candidates is not None:
+        cols = gather_no_grad(candidates.to(image.device))
+        i2t = i2t.masked_fill(~cols[None, :], _MASKED)
+        t2i = t2i.masked_fill(~cols[None, :], _MASKED)
+    ce = F.cross_entropy(i2t, y, reduction="none") + F.cross_entropy(t2i, y, reduction="none")
+    anchors = anchors.to(image.device)
+    return global_masked_mean(torch.where(anchors, ce / 2, torch.zeros_like(ce)), anchors)
+
+
+def off_diagonal_logits(x: torch.Tensor, all_x: torch.Tensor, temp: float) -> torch.Tensor:
+    """x·all_xᵀ/temp for this rank's rows against the global batch, each row's own column
+    removed: shape (n_local, N − 1). Self-similarity rows for relation distillation."""
+    sim = x @ all_x.t() / temp
+    rows = local_rows(x.shape[0])
+    own = torch.arange(rows.start, rows.stop, device=x.device)
+    keep = torch.ones_like(sim, dtype=torch.bool)
+    keep[torch.arange(x.shape[0], device=x.device), own] = False
+    return sim[keep].view(x.shape[0], -1)

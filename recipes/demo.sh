@@ -47,6 +47,9 @@ args_of() {  # the method's CLI arguments (paper defaults; replay 5 % of the str
     dha-dagger) echo "--method dha" ;;  # DHA without its buffer (DHA† in the paper)
     icarl | lucir) echo "--method $1 --buffer mof --buffer-size 150" ;;  # herding buffer, as ER
     incclip) echo "--method incclip --buffer reservoir --buffer-size 300" ;;
+    der | co2l | erl) echo "--method $1 --buffer reservoir --buffer-size 150" ;;
+    derpp) echo "--method der --method-arg derpp=true --buffer reservoir --buffer-size 150" ;;
+    zscl) echo "--method zscl --method-arg ref_stream=$STREAM/pretrain" ;;  # teacher: CLIP_0
     *) echo "--method $1" ;;
   esac
 }

@@ -26,6 +26,13 @@ METHOD_MODULES = [
     "cvl.methods.lwf",
     "cvl.methods.icarl",
     "cvl.methods.lucir",
+    "cvl.methods.der",
+    "cvl.methods.co2l",
+    "cvl.methods.geodl",
+    "cvl.methods.erl",
+    "cvl.methods.afc",
+    "cvl.methods.wise",
+    "cvl.methods.zscl",
 ]
 
 

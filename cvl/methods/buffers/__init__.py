@@ -4,6 +4,11 @@ A buffer stores item *references* (shard path relative to the stream folder + ke
 images, per task and in a meaningful order (herding order for `mof`). After each task the
 loop calls `update(task, entries, ctx)`; the next task trains on its own data plus
 `entries()`. Selection runs on rank 0 and is broadcast, so every rank holds the same buffer.
+
+Per-item payload (DER's stored outputs): `set_payload(refs, name=tensor)` attaches tensors
+(one row per reference) to items; they live in the buffer's state (safetensors, resumable),
+are dropped when their item leaves the buffer, and `payload_rows(batch, name)` returns a
+training batch's rows of them with the mask of the rows that are buffer items.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from cvl.data.reader import Entry, index_shard
 from cvl.errors import CvlError
@@ -54,6 +60,7 @@ class Buffer:
         self.root = Path(stream_root) if stream_root else None
         self.items: dict[str, list[tuple[str, str]]] = {}
         self.sizes: dict[str, int] = {}  # training-set size of each task seen
+        self.payload: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
 
     # -- references --------------------------------------------------------------------------
     def _rel(self, shard: str) -> str:
@@ -109,6 +116,53 @@ class Buffer:
             broadcast_object_list(box, from_process=0)
             new = box[0]
         self.items = new
+        kept = {r for refs in self.items.values() for r in refs}
+        self.payload = {r: v for r, v in self.payload.items() if r in kept}
+
+    # -- per-item payload --------------------------------------------------------------------
+    def ref_of(self, shard: str, key: str) -> tuple[str, str]:
+        """The buffer's reference of a sample read from `shard` (absolute or relative)."""
+        return (self._rel(shard), key)
+
+    def refs_without(self, name: str) -> list[tuple[str, str]]:
+        """Items (in `entries()` order) that carry no payload `name` yet."""
+        return [
+            r for refs in self.items.values() for r in refs if name not in self.payload.get(r, {})
+        ]
+
+    def set_payload(self, refs: list[tuple[str, str]], **tensors: torch.Tensor) -> None:
+        """Attach row i of each tensor to item refs[i] (kept on CPU)."""
+        for name, t in tensors.items():
+            if t.shape[0] != len(refs):
+                raise ValueError(f"payload '{name}': {t.shape[0]} rows for {len(refs)} items")
+        for i, r in enumerate(refs):
+            d = self.payload.setdefault(tuple(r), {})
+            for name, t in tensors.items():
+                d[name] = t[i].detach().cpu().clone()
+
+    def payload_rows(
+        self, batch: dict[str, Any], name: str, like: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mask, rows): which batch rows are buffer items carrying payload `name`, and that
+        payload stacked (zeros elsewhere), on `like`'s device and dtype."""
+        mask, rows = [], []
+        for shard, key in zip(batch["shard"], batch["key"]):
+            p = self.payload.get(self.ref_of(shard, key), {}).get(name)
+            mask.append(p is not None)
+            rows.append(p if p is not None else None)
+        shape = next((r.shape for r in rows if r is not None), like.shape[1:])
+        stacked = torch.stack([r if r is not None else torch.zeros(shape) for r in rows])
+        m = torch.tensor(mask, dtype=torch.bool, device=like.device)
+        return m, stacked.to(device=like.device, dtype=like.dtype)
+
+    def in_buffer(self, batch: dict[str, Any], device: Any = None) -> torch.Tensor:
+        """Bool per batch row: the sample is one of the buffer's items (a replayed pair)."""
+        kept = {r for refs in self.items.values() for r in refs}
+        return torch.tensor(
+            [self.ref_of(s, k) in kept for s, k in zip(batch["shard"], batch["key"])],
+            dtype=torch.bool,
+            device=device,
+        )
 
     #: selection needs features (k-means, herding): compute once on rank 0 and broadcast.
     rank0_only = True
@@ -125,8 +179,24 @@ class Buffer:
             "size": self.size,
             "items": {t: [list(r) for r in refs] for t, refs in self.items.items()},
             "sizes": dict(self.sizes),
+            **self._payload_state(),
             **self.extra_state(),
         }
+
+    def _payload_state(self) -> dict[str, Any]:
+        """Payload as one stacked tensor per name (safetensors) + the item order (JSON)."""
+        if not self.payload:
+            return {}
+        refs = sorted(self.payload)
+        names = sorted({n for v in self.payload.values() for n in v})
+        out: dict[str, Any] = {"payload": {}}
+        for n in names:
+            have = [r for r in refs if n in self.payload[r]]
+            out["payload"][n] = {
+                "refs": [list(r) for r in have],
+                "rows": torch.stack([self.payload[r][n] for r in have]),
+            }
+        return out
 
     def extra_state(self) -> dict[str, Any]:
         return {}
@@ -134,6 +204,9 @@ class Buffer:
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.items = {t: [tuple(r) for r in refs] for t, refs in d["items"].items()}
         self.sizes = dict(d.get("sizes", {}))
+        self.payload = {}
+        for n, p in (d.get("payload") or {}).items():
+            self.set_payload([tuple(r) for r in p["refs"]], **{n: p["rows"]})
 
 
 def _rank(ctx: Any) -> int:

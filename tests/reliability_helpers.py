@@ -30,13 +30,14 @@ METHOD_EXTRA: dict[str, list[str]] = {
         *("--buffer", "reservoir", "--buffer-size", "8"),
         *("--method-arg", "n_pseudo=16", "--method-arg", "gen_steps=2"),  # every path, cheaper
     ],
+    "zscl": ["--method-arg", "ref_stream={stream}"],  # the reference set: the stream itself
 }
 
 
-def method_args(name: str) -> list[str]:
-    """The CLI arguments that make `name` runnable on the tiny stream."""
+def method_args(name: str, stream: Path | str = "STREAM") -> list[str]:
+    """The CLI arguments that make `name` runnable on the tiny stream (at `stream`)."""
     if name in METHOD_EXTRA:
-        return list(METHOD_EXTRA[name])
+        return [a.format(stream=stream) for a in METHOD_EXTRA[name]]
     cls = all_methods()[name]
     if getattr(cls, "needs_buffer", False):  # the buffer the method asks for (iCaRL: mof)
         return ["--buffer", getattr(cls, "buffer_hint", "reservoir"), "--buffer-size", "8"]
@@ -75,7 +76,7 @@ def train_argv(stream: Path, out: Path, method: str) -> list[str]:
         str(out),
         "--method",
         method,
-        *method_args(method),
+        *method_args(method, stream),
         "--model-config",
         "tiny",
         "--epochs",

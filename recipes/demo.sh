@@ -10,17 +10,25 @@
 #   5. Mod-X's rotation analysis (SAM / RAM / ImAV) of seqft vs Mod-X.
 #
 # Usage: recipes/demo.sh [OUT_DIR]   (METHODS="seqft modx" to choose the methods: any
-#        `cvl methods` name, er, dha-dagger; SEED=N; recipes/synthetic_benchmark.sh runs it
-#        over 3 seeds)
+#        `cvl methods` name, er, dha-dagger; SEED=N; sizes PER_TASK=250 pairs per task,
+#        PRETRAIN=1500 pretraining pairs, TEST=100 test pairs per task;
+#        recipes/synthetic_benchmark.sh runs it over 3 seeds with 600 / 2000 / 128)
 # Rerunning reuses what is finished (stream, runs, evaluations). What was traded for the
-# 5-minute budget (against recipes/synthetic_methods.sh): 600 pairs per task and 2 epochs
-# (instead of 1,000-2,000 and 4), 128 test pairs per task, no linear probe or zero-shot
-# classification in the evaluation. Every method keeps its paper defaults.
+# 5-minute budget (against recipes/synthetic_methods.sh): 250 pairs per task and 2 epochs
+# (instead of 1,000-2,000 and 4), 100 test pairs per task, no linear probe or zero-shot
+# classification in the evaluation, comparison curves instead of every run's heatmaps
+# (`cvl eval --run RUN` writes a run's own plots from the evaluation cache). Every method
+# keeps its paper defaults.
 set -euo pipefail
 OUT=${1:-demo-out}
 CVL=${CVL:-.venv/bin/cvl}
 METHODS=${METHODS:-"seqft er modx dkr dha ctp incclip"}
 SEED=${SEED:-0}
+PER_TASK=${PER_TASK:-250}
+PRETRAIN=${PRETRAIN:-1500}
+TEST=${TEST:-100}
+BUF=$((PER_TASK / 4))      # replay: 5 % of the stream's 5 x PER_TASK pairs
+MEM=$((PER_TASK / 2))      # IncCLIP's memory: 10 %
 mkdir -p "$OUT"
 t_start=$(date +%s)
 step() { echo; echo "== [$(( $(date +%s) - t_start )) s] $* =="; }
@@ -30,8 +38,8 @@ step "1. build the synthetic stream (5 tasks; neighbouring tasks share 3 of 4 sh
 if [ -f "$STREAM/stream.json" ]; then
   echo "reusing $STREAM"
 else
-  "$CVL" build-stream synthetic --out "$STREAM" --tasks 5 --per-task 600 --pretrain 2000 \
-    --test-per-task 128 --val-per-task 50 --query-per-task 30 --gallery-per-task 100 \
+  "$CVL" build-stream synthetic --out "$STREAM" --tasks 5 --per-task "$PER_TASK" \
+    --pretrain "$PRETRAIN" --test-per-task "$TEST" --val-per-task 50 --query-per-task 30 --gallery-per-task 100 \
     --seed "$SEED"
 fi
 
@@ -42,13 +50,13 @@ step "2. CLIP_0: train on the pretraining stream ($STREAM/pretrain)"
 
 args_of() {  # the method's CLI arguments (paper defaults; replay 5 % of the stream, IncCLIP 10 %)
   case "$1" in
-    er) echo "--method seqft --buffer reservoir --buffer-size 150" ;;
-    dha) echo "--method dha --buffer ring --buffer-size 150" ;;
+    er) echo "--method seqft --buffer reservoir --buffer-size $BUF" ;;
+    dha) echo "--method dha --buffer ring --buffer-size $BUF" ;;
     dha-dagger) echo "--method dha" ;;  # DHA without its buffer (DHA† in the paper)
-    icarl | lucir) echo "--method $1 --buffer mof --buffer-size 150" ;;  # herding buffer, as ER
-    incclip) echo "--method incclip --buffer reservoir --buffer-size 300" ;;
-    der | co2l | erl) echo "--method $1 --buffer reservoir --buffer-size 150" ;;
-    derpp) echo "--method der --method-arg derpp=true --buffer reservoir --buffer-size 150" ;;
+    icarl | lucir) echo "--method $1 --buffer mof --buffer-size $BUF" ;;  # herding buffer, as ER
+    incclip) echo "--method incclip --buffer reservoir --buffer-size $MEM" ;;
+    der | co2l | erl) echo "--method $1 --buffer reservoir --buffer-size $BUF" ;;
+    derpp) echo "--method der --method-arg derpp=true --buffer reservoir --buffer-size $BUF" ;;
     zscl) echo "--method zscl --method-arg ref_stream=$STREAM/pretrain" ;;  # teacher: CLIP_0
     *) echo "--method $1" ;;
   esac
@@ -78,7 +86,9 @@ cat <<EOF
   $STREAM/stream.json              the stream (and $STREAM/pretrain/, the pretraining set)
   $OUT/runs/clip0/                 CLIP_0, the start of every method
   $OUT/runs/METHOD/tasks/NN-*/     one checkpoint per task (safetensors) and its train log
-  $OUT/runs/METHOD/eval/           summary.md, metrics.json, CSV tables, plots/*.png
-  $OUT/compare/                    compare.md / compare.csv: the table above
+  $OUT/runs/METHOD/eval/           summary.md, metrics.json, CSV tables (heatmaps and curves:
+                                   cvl eval --run $OUT/runs/METHOD, reusing the cache)
+  $OUT/compare/                    compare.md / .csv: the table above; compare_Rm.png and
+                                   compare_TR1.png: each run's score on the tasks seen so far
   $OUT/runs/seqft/analysis/        rotation tables and plots (SAM / RAM / ImAV)
 EOF

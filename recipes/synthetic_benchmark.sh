@@ -11,6 +11,7 @@ PY=${PY:-.venv/bin/python}
 # the paper methods and bounds (issue 12's table), then CTP Table 1's baselines
 export METHODS=${METHODS:-"seqft joint er modx dkr dha-dagger dha ctp incclip ewc si mas rwalk afec lwf icarl lucir"}
 for s in $SEEDS; do
-  SEED=$s bash "$(dirname "$0")/demo.sh" "$OUT/s$s"
+  PER_TASK=${PER_TASK:-600} PRETRAIN=${PRETRAIN:-2000} TEST=${TEST:-128} SEED=$s \
+    bash "$(dirname "$0")/demo.sh" "$OUT/s$s"
 done
 "$PY" "$(dirname "$0")/seeds_table.py" "$OUT" "zeroshot,${METHODS// /,}"

@@ -205,7 +205,6 @@ def test_compare_runs(evaluated_run, tmp_path, capsys):
             str(evaluated_run),
             str(other),
             "--quiet",
-            "--no-plots",
             "--probe-train",
             "24",
             "--out",
@@ -218,6 +217,8 @@ def test_compare_runs(evaluated_run, tmp_path, capsys):
     assert (tmp_path / "cmp" / "compare.csv").is_file() and (
         other / "eval" / "metrics.json"
     ).is_file()
+    assert (tmp_path / "cmp" / "compare_Rm.png").is_file()  # the comparison curves
+    assert not (other / "eval" / "plots").exists()  # per-run plots: `cvl eval --run`
 
 
 def test_joint_run_has_a_final_merged_row(synth_stream, tmp_path):

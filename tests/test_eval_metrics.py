@@ -333,3 +333,26 @@ def test_zeroshot_image_folder(tmp_path, fake_model):
 
     with pytest.raises(CvlError, match="1 names for 2 class folders"):
         scan_image_folder(tmp_path)
+
+
+def test_seen_so_far_curve_and_compare_plots(tmp_path):
+    """The comparison curve: mean of R[k][0..k] after task k; a joint run sits at the end."""
+    from cvl.evaluation.report import plot_compare, seen_so_far
+
+    seq = {
+        "run_name": "seq",
+        "tasks": ["a", "b", "c"],
+        "rows": ["00-a", "01-b", "02-c"],
+        "matrices": {"Rm": [[60, 10, 0], [40, 80, 20], [30, 50, 90]]},
+    }
+    joint = {
+        "run_name": "joint",
+        "tasks": ["a", "b", "c"],
+        "rows": ["02-c"],
+        "matrices": {"Rm": [[70, 75, 80]]},
+    }
+    assert seen_so_far(seq, "Rm") == [60, 60, pytest.approx(170 / 3)]  # not (40+80+20)/3
+    assert seen_so_far(joint, "Rm") == [None, None, 75]
+    assert plot_compare([seq, joint], "Rm", tmp_path / "c.png") == tmp_path / "c.png"
+    assert (tmp_path / "c.png").stat().st_size > 0
+    assert plot_compare([seq], "TR@1", tmp_path / "none.png") is None  # no such matrix

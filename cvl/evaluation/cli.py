@@ -117,7 +117,11 @@ def _existing_metrics(run: Path) -> dict | None:
     help="Do not evaluate the initial weights (init/), even when present.",
 )
 @click.option("--no-cumulative", is_flag=True, help="Skip the CTP merged-test-set protocol.")
-@click.option("--no-plots", is_flag=True, help="Write no PNG plots.")
+@click.option(
+    "--no-plots",
+    is_flag=True,
+    help="Write no PNG plots (with --compare: no comparison curves compare_*.png).",
+)
 @click.option(
     "--image-cache-mb",
     default=1024,
@@ -127,7 +131,8 @@ def _existing_metrics(run: Path) -> dict | None:
 @click.option(
     "--compare",
     is_flag=True,
-    help="Compare the RUNS given as arguments side by side (evaluating any not yet evaluated).",
+    help="Compare the RUNS given as arguments side by side (evaluating any not yet evaluated; "
+    "each run's tables go to RUN/eval, the comparison and its plots to --out).",
 )
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 @click.argument("runs", nargs=-1, type=click.Path())
@@ -206,13 +211,13 @@ def eval_cmd(
                 ms.append(m)
                 continue
             m = evaluate_run(r, opts, acc)
-            if main:
-                write_outputs(m, Path(r) / "eval", plots=not no_plots)
+            if main:  # tables only: `cvl eval --run R` writes the run's own plots (from cache)
+                write_outputs(m, Path(r) / "eval", plots=False)
             ms.append(m)
         if main:
             click.echo(render_compare(ms))
             if out:
-                for p in write_compare(ms, out):
+                for p in write_compare(ms, out, plots=not no_plots):
                     click.echo(f"wrote {p}")
         return
     if runs:

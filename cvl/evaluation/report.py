@@ -470,10 +470,57 @@ def render_compare(ms: Sequence[dict[str, Any]]) -> str:
     )
 
 
-def write_compare(ms: Sequence[dict[str, Any]], out: str | os.PathLike) -> list[Path]:
+def seen_so_far(m: dict[str, Any], key: str) -> list[float | None]:
+    """Per task k: mean of R[k][0..k] for the model after task k (the standard CL curve).
+
+    Rows are placed by their checkpoint label (`NN-name`), so a joint run's single final
+    model is a point at the last task; tasks without a checkpoint are None.
+    """
+    out: list[float | None] = [None] * len(m["tasks"])
+    for label, row in zip(m["rows"], m["matrices"].get(key) or []):
+        k = int(str(label).split("-", 1)[0])
+        vals = [v for v in row[: k + 1] if v is not None]
+        if k < len(out) and vals:
+            out[k] = sum(vals) / len(vals)
+    return out
+
+
+def plot_compare(ms: Sequence[dict[str, Any]], key: str, path: Path) -> Path | None:
+    """One line per run: `key` averaged over the tasks seen so far, after each task."""
+    curves = [(m["run_name"], seen_so_far(m, key)) for m in ms]
+    if not any(v is not None for _, c in curves for v in c):
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    for name, c in curves:
+        ys = [float("nan") if v is None else v for v in c]
+        ax.plot(range(len(ys)), ys, marker="o", ms=3, label=name)
+    tasks = ms[0]["tasks"]
+    ax.set_xticks(range(len(tasks)), [f"{i} ({t})" for i, t in enumerate(tasks)])
+    ax.set_xlabel("model after task")
+    ax.set_ylabel(f"{key}, mean over tasks seen")
+    ax.set_title(f"{key} on the tasks seen so far")
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def write_compare(
+    ms: Sequence[dict[str, Any]], out: str | os.PathLike, plots: bool = True
+) -> list[Path]:
+    """compare.md, compare.csv and (plots) compare_Rm.png / compare_TR1.png into `out`."""
     out = Path(out)
     headers, rows = compare_table(ms)
-    return [
+    files = [
         _write(out / "compare.md", render_compare(ms).encode("utf-8")),
         _write(out / "compare.csv", _csv_bytes(headers, rows)),
     ]
+    if plots and len({tuple(m["tasks"]) for m in ms}) == 1:  # curves share one task axis
+        for key in ("Rm", "TR@1"):
+            p = plot_compare(ms, key, out / f"compare_{safe_name(key)}.png")
+            if p:
+                files.append(p)
+    return files

@@ -308,6 +308,16 @@ def _plt():
     return plt
 
 
+def _save_lines(fig: Any, ax: Any, path: Path) -> Path:
+    """Legend, grid, layout, PNG at 100 dpi; closes the figure (the line plots' common end)."""
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    _plt().close(fig)
+    return path
+
+
 def plot_heatmap(m: dict[str, Any], key: str, path: Path) -> Path | None:
     import numpy as np
 
@@ -383,12 +393,7 @@ def plot_curves(m: dict[str, Any], key: str, path: Path) -> Path | None:
     ax.set_xlabel("model after task")
     ax.set_ylabel(key)
     ax.set_title(f"{m['run_name']}: {key} per task across training")
-    ax.legend(fontsize=7, ncol=2)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save_lines(fig, ax, path)
 
 
 def write_plots(m: dict[str, Any], out: Path) -> list[Path]:
@@ -500,12 +505,7 @@ def plot_compare(ms: Sequence[dict[str, Any]], key: str, path: Path) -> Path | N
     ax.set_xlabel("model after task")
     ax.set_ylabel(f"{key}, mean over tasks seen")
     ax.set_title(f"{key} on the tasks seen so far")
-    ax.legend(fontsize=7, ncol=2)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save_lines(fig, ax, path)
 
 
 def write_compare(

@@ -41,27 +41,6 @@ from cvl.methods.registry import register
 from cvl.methods.regularizers import task_batches, trainable
 
 
-def _adamw(params: list, cfg: Any, steps: int):
-    """AdamW + cosine schedule built like the loop's (no decay on gains, biases, scales)."""
-    from cvl.train.loop import cosine_schedule
-
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
-    opt = torch.optim.AdamW(
-        [
-            {"params": decay, "weight_decay": cfg.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ],
-        lr=cfg.lr,
-        betas=(cfg.beta1, cfg.beta2),
-        eps=cfg.eps,
-    )
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, cosine_schedule(steps, cfg.warmup, cfg.lr, cfg.min_lr)
-    )
-    return opt, sched
-
-
 def _opt_state_in(sd: dict) -> dict:
     """An optimizer state_dict back from the JSON/safetensors round trip (int keys, tuples)."""
     state = {int(k): v for k, v in sd["state"].items()}
@@ -98,8 +77,12 @@ class AFEC(EWC):
         """The expanded model's AdamW + schedule (needs `ctx.steps_in_task`, known from the
         first step on); a state loaded on resume is applied here."""
         if self.exp_opt is None:
+            from cvl.train.loop import adamw_with_schedule  # built like the loop's optimizer
+
             params = [p for _, p in trainable(self.expanded)]
-            self.exp_opt, self.exp_sched = _adamw(params, ctx.config, ctx.steps_in_task)
+            self.exp_opt, self.exp_sched = adamw_with_schedule(
+                params, ctx.config, ctx.steps_in_task
+            )
             if self._pending is not None:
                 self.exp_opt.load_state_dict(_opt_state_in(self._pending["optimizer"]))
                 self.exp_sched.load_state_dict(self._pending["scheduler"])

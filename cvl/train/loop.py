@@ -71,6 +71,25 @@ def cosine_schedule(total: int, warmup: float, base_lr: float, min_lr: float):
     return f
 
 
+def adamw_with_schedule(params: list, cfg: Any, steps: int):
+    """The training optimizer: AdamW (no decay on gains, biases, scales) + warm-up/cosine lr."""
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    opt = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": cfg.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, cosine_schedule(steps, cfg.warmup, cfg.lr, cfg.min_lr)
+    )
+    return opt, sched
+
+
 def _manifest_sha(m: Manifest) -> str | None:
     """SHA-256 of the stream's stream.json: a stream rebuilt in place changes it (`created`)."""
     from cvl.streams.manifest import MANIFEST, file_sha256
@@ -439,22 +458,7 @@ class Trainer:
         return ps + [p for p in self.method.extra_parameters() if p.requires_grad]
 
     def _optimizer(self, steps: int):
-        cfg = self.cfg
-        decay, no_decay = [], []
-        for p in self._params():
-            (decay if p.ndim >= 2 else no_decay).append(p)  # no decay on gains, biases, scales
-        opt = torch.optim.AdamW(
-            [
-                {"params": decay, "weight_decay": cfg.weight_decay},
-                {"params": no_decay, "weight_decay": 0.0},
-            ],
-            lr=cfg.lr,
-            betas=(cfg.beta1, cfg.beta2),
-            eps=cfg.eps,
-        )
-        sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, cosine_schedule(steps, cfg.warmup, cfg.lr, cfg.min_lr)
-        )
+        opt, sched = adamw_with_schedule(self._params(), self.cfg, steps)
         return self.acc.prepare_optimizer(opt, device_placement=False), sched
 
     def _train_task(self, ti: int, ctx: TaskContext, pos: dict | None) -> None:

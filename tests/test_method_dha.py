@@ -9,23 +9,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from torch import nn
-from train_helpers import assert_same_task_weights, interrupt_then_resume
+from train_helpers import FAST, assert_same_task_weights, interrupt_then_resume
 
 from cvl.losses import clip_loss
 from cvl.methods.dha import DHA, dha_blend
 from cvl.runs import finished_tasks
 from cvl.train.config import resolve
 from cvl.train.loop import Trainer
-
-FAST = dict(
-    epochs=1,
-    batch_size=16,
-    log_with="none",
-    checkpoint_every=0,
-    model_config="tiny",
-    log_every=1,
-    workers=0,
-)
 
 
 class Two(nn.Module):

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
-from train_helpers import assert_same_task_weights, interrupt_then_resume, task_log
+from train_helpers import FAST, assert_same_task_weights, interrupt_then_resume, task_log
 
 import cvl.losses
 import cvl.methods.incclip as incclip_mod
@@ -33,15 +33,6 @@ from cvl.runs import finished_tasks
 from cvl.train.config import resolve
 from cvl.train.loop import Trainer
 
-FAST = dict(
-    epochs=1,
-    batch_size=16,
-    log_with="none",
-    checkpoint_every=0,
-    model_config="tiny",
-    log_every=1,
-    workers=0,
-)
 E = math.e
 
 

@@ -7,23 +7,13 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from train_helpers import assert_same_task_weights, interrupt_then_resume, task_log
+from train_helpers import FAST, assert_same_task_weights, interrupt_then_resume, task_log
 
 from cvl.cli import main
 from cvl.errors import CvlError
 from cvl.runs import finished_tasks, load_run
 from cvl.train.config import resolve
 from cvl.train.loop import Trainer, cosine_schedule
-
-FAST = dict(
-    epochs=1,
-    batch_size=16,
-    log_with="none",
-    checkpoint_every=0,
-    model_config="tiny",
-    log_every=1,
-    workers=0,
-)
 
 
 def _train(stream, out, force=False, **kw):

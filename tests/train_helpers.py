@@ -14,6 +14,17 @@ from cvl.runs import finished_tasks
 from cvl.train.config import resolve
 from cvl.train.loop import Trainer
 
+# one epoch of the tiny RN CLIP, batch 16, a log line per step, no mid-task checkpoints
+FAST = dict(
+    epochs=1,
+    batch_size=16,
+    log_with="none",
+    checkpoint_every=0,
+    model_config="tiny",
+    log_every=1,
+    workers=0,
+)
+
 
 def train_run(stream: Path, out: Path, defaults: dict, **kw) -> None:
     """Train `defaults` overridden by `kw` from `stream` into `out` (no progress bars)."""

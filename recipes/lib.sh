@@ -1,0 +1,136 @@
+#!/usr/bin/env bash
+# Shared by the paper recipes (recipes/ctp_p9d.sh, incclip_cc12m.sh, modx.sh, dha_citm.sh,
+# dkr.sh): options / environment, the launcher (one process, or `accelerate launch` for several
+# processes and nodes), the global -> per-process batch, and the evaluate-and-compare step.
+# Source it; do not run it.
+#
+# Options (each also an environment variable, options win):
+#   --smoke              the same pipeline on synthetic data shaped like the protocol (same
+#                        number of tasks), tiny models, CPU, minutes (SMOKE=1)
+#   --out DIR            everything goes here (OUT) [recipe name + -out]
+#   --data DIR           raw datasets (DATA): coco/, flickr30k/, ec/, iapr/, rsicd/, ...
+#   --streams DIR        streams built beforehand from URL lists, named by source (STREAMS):
+#                        cc3m/, wit/, goodnews/, cc12m/, p9d/ ...
+#   --weights FILE       initial weights for --pretrained (WEIGHTS): an OpenAI/open_clip file
+#   --model-config X     model config: packaged name, open_clip architecture or JSON (MODEL_CONFIG)
+#   --nproc N            processes per node (NPROC) [1]; >1 launches `accelerate launch`
+#   --nnodes N --node-rank R --main-addr HOST --main-port PORT
+#                        several nodes (NNODES, NODE_RANK, MAIN_ADDR, MAIN_PORT): run the recipe
+#                        on every node; rank 0 builds the streams and evaluates, the others
+#                        wait for the streams and join each training launch
+#   --methods "A B"      the runs to train (METHODS) [the paper's list]
+#   --settings "A B"     the protocol settings to run (SETTINGS) [all of the recipe's]
+#   --seed N             (SEED) [0]
+# CVL (the cvl command, default .venv/bin/cvl) and ACCELERATE (default: accelerate next to CVL)
+# choose the executables. Rerunning the same command skips what is finished: streams are kept,
+# `cvl train` resumes (a finished run returns at once), `cvl eval` reads its cache.
+set -euo pipefail
+
+RECIPES=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+SMOKE=${SMOKE:-0}
+OUT=${OUT:-}
+DATA=${DATA:-data}
+STREAMS=${STREAMS:-streams}
+WEIGHTS=${WEIGHTS:-}
+MODEL_CONFIG=${MODEL_CONFIG:-}
+NPROC=${NPROC:-1}
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+MAIN_ADDR=${MAIN_ADDR:-127.0.0.1}
+MAIN_PORT=${MAIN_PORT:-29500}
+METHODS=${METHODS:-}
+SETTINGS=${SETTINGS:-}
+SEED=${SEED:-0}
+CVL=${CVL:-.venv/bin/cvl}
+ACCELERATE=${ACCELERATE:-$(dirname "$CVL")/accelerate}
+
+# --help: the recipe's header comment, then these common options.
+usage() {
+  local hdr='NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }'
+  awk "$hdr" "$0"
+  awk "$hdr" "${BASH_SOURCE[0]}" | sed -n '/^Options/,$p'
+  exit "${1:-0}"
+}
+
+parse_args() {
+  while [ $# -gt 0 ]; do
+    case "$1" in
+      --smoke) SMOKE=1 ;;
+      --out) OUT=$2; shift ;;
+      --data) DATA=$2; shift ;;
+      --streams) STREAMS=$2; shift ;;
+      --weights) WEIGHTS=$2; shift ;;
+      --model-config) MODEL_CONFIG=$2; shift ;;
+      --nproc) NPROC=$2; shift ;;
+      --nnodes) NNODES=$2; shift ;;
+      --node-rank) NODE_RANK=$2; shift ;;
+      --main-addr) MAIN_ADDR=$2; shift ;;
+      --main-port) MAIN_PORT=$2; shift ;;
+      --methods) METHODS=$2; shift ;;
+      --settings) SETTINGS=$2; shift ;;
+      --seed) SEED=$2; shift ;;
+      -h | --help) usage 0 ;;
+      *) echo "error: unknown option '$1' (--help lists them)" >&2; exit 2 ;;
+    esac
+    shift
+  done
+  WORLD=$((NPROC * NNODES))
+  t_start=$(date +%s)
+}
+
+step() { echo; echo "== [$(($(date +%s) - t_start)) s] $* =="; }
+
+# The value of a top-level `key: value` line of a recipe YAML (comments stripped).
+cfg_get() { sed -n "s/^$1:[[:space:]]*\([^#]*\).*/\1/p" "$2" | tr -d '[:space:]'; }
+
+# Per-process batch for the YAML's global batch_size (the papers give global batches).
+per_process_batch() {
+  local global
+  global=$(cfg_get batch_size "$1")
+  if [ $((global % WORLD)) -ne 0 ]; then
+    echo "error: global batch $global is not divisible by $WORLD processes" >&2; exit 2
+  fi
+  echo $((global / WORLD))
+}
+
+# Build a stream only on node 0 and only once; other nodes wait for it.
+# Usage: build_stream DIR cvl-build-stream-args...
+build_stream() {
+  local dir=$1; shift
+  if [ -f "$dir/stream.json" ]; then echo "reusing $dir"; return; fi
+  if [ "$NODE_RANK" -ne 0 ]; then
+    echo "waiting for node 0 to build $dir"
+    until [ -f "$dir/stream.json" ]; do sleep 10; done
+    return
+  fi
+  "$CVL" build-stream "$@"
+}
+
+# Train one run: CONFIG.yaml then the given options (explicit options win over the YAML).
+# Usage: train CONFIG RUN cvl-train-args...
+train() {
+  local cfg=$1 run=$2; shift 2
+  local extra=(--config "$cfg" --batch-size "$(per_process_batch "$cfg")" --seed "$SEED" --quiet)
+  [ -n "$MODEL_CONFIG" ] && extra+=(--model-config "$MODEL_CONFIG")
+  if [ "$WORLD" -gt 1 ]; then
+    "$ACCELERATE" launch --num_processes "$WORLD" --num_machines "$NNODES" \
+      --machine_rank "$NODE_RANK" --main_process_ip "$MAIN_ADDR" --main_process_port "$MAIN_PORT" \
+      -m cvl train "${extra[@]}" "$@" --out "$run"
+  else
+    "$CVL" train "${extra[@]}" "$@" --out "$run"
+  fi
+}
+
+# Evaluate RUNS and write the comparison table (compare.md / .csv) and curves into OUT_DIR
+# (node 0 only). Usage: compare OUT_DIR EVAL_OPTIONS -- RUNS...
+compare() {
+  local dir=$1; shift
+  local opts=()
+  while [ "$1" != "--" ]; do opts+=("$1"); shift; done
+  shift
+  [ "$NODE_RANK" -ne 0 ] && return
+  "$CVL" eval --compare "$@" "${opts[@]}" --quiet --out "$dir"
+}
+
+# Evaluation options: the smoke mode skips the linear probe and zero-shot classification.
+eval_opts() { if [ "$SMOKE" = 1 ]; then echo "--no-probe --no-zeroshot"; fi; }

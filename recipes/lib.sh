@@ -109,8 +109,9 @@ build_stream() {
 # Train one run: CONFIG.yaml then the given options (explicit options win over the YAML).
 # Usage: train CONFIG RUN cvl-train-args...
 train() {
-  local cfg=$1 run=$2; shift 2
-  local extra=(--config "$cfg" --batch-size "$(per_process_batch "$cfg")" --seed "$SEED" --quiet)
+  local cfg=$1 run=$2 batch; shift 2
+  batch=$(per_process_batch "$cfg") || exit 2
+  local extra=(--config "$cfg" --batch-size "$batch" --seed "$SEED" --quiet)
   [ -n "$MODEL_CONFIG" ] && extra+=(--model-config "$MODEL_CONFIG")
   if [ "$WORLD" -gt 1 ]; then
     "$ACCELERATE" launch --num_processes "$WORLD" --num_machines "$NNODES" \

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# Mod-X's protocols (Mod-X paper §5, Tables 2-4 and appendix B.7) and its rotation analysis:
+#   coco-f30k  CLIP_0 on COCO (the stream's first task), then Flickr30K in 5 random parts;
+#              RN50 from random initialisation; benchmarks COCO(5K), Flickr30K(1K)
+#   ec         EC-T2I in 5 random parts from OpenAI ViT-B/32 (--weights), lr 1e-6
+#   cc12m      CC12M in 10 parts of 1M (STREAMS/cc12m built with `cvl build-stream cc12m`)
+# Each setting: seqft, EWC, LwF, DER, Mod-X and joint; one comparison table per setting
+# (OUT/SETTING/compare/compare.md) and SAM / RAM / ImAV of seqft vs Mod-X
+# (OUT/SETTING/runs/seqft/analysis/).
+#   recipes/modx.sh --data data --streams streams --weights ViT-B-32.pt --nproc 8 --out modx-out
+# Smoke (CPU): the same settings on synthetic streams with 6, 5 and 10 tasks; tiny RN CLIP,
+# 1 epoch; the EC setting starts from a tiny CLIP_0 trained on a synthetic pretraining set
+# (standing in for the OpenAI weights).
+#   recipes/modx.sh --smoke --out modx-smoke
+# Hyperparameters: recipes/configs/modx.yaml, modx-ec.yaml (smoke: configs/smoke.yaml).
+# DER's buffer (not given by the paper): 1,000 pairs (smoke 4).
+#
+# Common options (recipes/lib.sh):
+source "$(dirname "$0")/lib.sh"
+parse_args "$@"
+OUT=${OUT:-modx-out}
+METHODS=${METHODS:-"seqft ewc lwf der modx joint"}
+SETTINGS=${SETTINGS:-"coco-f30k ec cc12m"}
+BUF=1000
+[ "$SMOKE" = 1 ] && BUF=4
+args_of() {
+  case "$1" in
+    seqft | ewc | lwf | modx | joint) echo "--method $1" ;;
+    der) echo "--method der --buffer reservoir --buffer-size $BUF" ;;
+    *) echo "error: unknown method '$1' for modx.sh" >&2; exit 2 ;;
+  esac
+}
+for S in $SETTINGS; do
+  D="$OUT/$S" STREAM="$OUT/$S/stream"
+  mkdir -p "$D"
+  INIT=()
+  if [ "$SMOKE" = 1 ]; then
+    CFG="$RECIPES/configs/smoke.yaml"
+    SYN=(--test-per-task 24 --val-per-task 8 --query-per-task 8 --gallery-per-task 16 --quiet)
+    step "$S: build the synthetic stream"
+    case "$S" in
+      coco-f30k) build_stream "$STREAM" synthetic --out "$STREAM" --tasks 6 --first-task 96 \
+        --per-task 48 --seed "$SEED" "${SYN[@]}" ;;
+      ec) build_stream "$STREAM" synthetic --out "$STREAM" --tasks 5 --per-task 48 \
+        --pretrain 128 --seed "$SEED" "${SYN[@]}"
+        step "$S: CLIP_0 on the pretraining set (stands in for the OpenAI weights)"
+        train "$CFG" "$D/runs/clip0" --stream "$STREAM/pretrain" --method seqft
+        INIT=(--init-run "$D/runs/clip0") ;;
+      cc12m) build_stream "$STREAM" synthetic --out "$STREAM" --tasks 10 --per-task 32 \
+        --seed "$SEED" "${SYN[@]}" ;;
+      *) echo "error: unknown setting '$S' (coco-f30k, ec, cc12m)" >&2; exit 2 ;;
+    esac
+  else
+    step "$S: build the protocol stream"
+    case "$S" in
+      coco-f30k) CFG="$RECIPES/configs/modx.yaml"
+        build_stream "$STREAM" protocol modx-coco-f30k --data "$DATA" --seed "$SEED" --out "$STREAM" ;;
+      ec) CFG="$RECIPES/configs/modx-ec.yaml"
+        [ -n "$WEIGHTS" ] || { echo "error: the ec setting starts from OpenAI ViT-B/32: give --weights FILE" >&2; exit 2; }
+        INIT=(--pretrained "$WEIGHTS")
+        build_stream "$STREAM" protocol modx-ec --data "$DATA" --seed "$SEED" --out "$STREAM" ;;
+      cc12m) CFG="$RECIPES/configs/modx.yaml"
+        build_stream "$STREAM" protocol modx-cc12m --data "$DATA" --stream "cc12m=$STREAMS/cc12m" \
+          --seed "$SEED" --out "$STREAM" ;;
+      *) echo "error: unknown setting '$S' (coco-f30k, ec, cc12m)" >&2; exit 2 ;;
+    esac
+  fi
+  RUNS=()
+  for M in $METHODS; do
+    step "$S: train $M"
+    # shellcheck disable=SC2046
+    train "$CFG" "$D/runs/$M" --stream "$STREAM" $(args_of "$M") ${INIT[@]+"${INIT[@]}"}
+    RUNS+=("$D/runs/$M")
+  done
+  step "$S: evaluate and compare"
+  # shellcheck disable=SC2046
+  compare "$D/compare" $(eval_opts) -- "${RUNS[@]}"
+  if [[ " $METHODS " == *" seqft "* && " $METHODS " == *" modx "* && "$NODE_RANK" -eq 0 ]]; then
+    step "$S: rotation analysis (SAM / RAM / ImAV), seqft vs Mod-X"
+    "$CVL" analyze rotation --compare "$D/runs/seqft" "$D/runs/modx" --quiet
+  fi
+done
+step "done: $OUT/*/compare/compare.md"

@@ -285,6 +285,23 @@ def test_symlinks_out_of_the_stream_only_through_declared_sources(tiny, tmp_path
         load_manifest(s)
 
 
+def test_a_stream_composed_of_composed_streams_loads(tiny, tmp_path):
+    """compose(compose(S)): the outer stream's shards reach S through the inner stream's own
+    declared sources/ link (a protocol preset over composed stand-ins does this)."""
+    from cvl.cli import main
+    from cvl.streams.manifest import load_manifest
+
+    inner, outer = tmp_path / "inner", tmp_path / "outer"
+    assert (
+        main(["build-stream", "compose", "--task", f"a={tiny}:task=t0", "--out", str(inner)]) == 0
+    )
+    argv = ["build-stream", "compose", "--task", f"b={inner}", "--eval", f"bench={inner}"]
+    assert main([*argv, "--out", str(outer)]) == 0
+    m = load_manifest(outer)
+    assert m.train_shards("b")[0].resolve().is_relative_to(tiny.resolve())
+    assert m.benchmark_shards("bench")[0].is_file()
+
+
 def test_yaml_is_loaded_safely(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     evil = '!!python/object/apply:os.system ["touch pwned"]'

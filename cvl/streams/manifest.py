@@ -419,19 +419,39 @@ def load_manifest(stream: str | os.PathLike, check_files: bool = True) -> Manife
     return m
 
 
+def _source_roots(root: Path, sources: list[dict[str, Any]], seen: set[Path]) -> list[Path]:
+    """The folders of the source streams declared by `sources[].link` (relative, inside
+    `root`), and recursively of their own sources: a stream composed of composed streams."""
+    out = []
+    for s in sources:
+        link = str(s.get("link") or "")
+        if not link or Path(link).is_absolute() or ".." in Path(link).parts:
+            continue
+        r = (root / link).resolve()
+        if r in seen:
+            continue
+        seen.add(r)
+        out.append(r)
+        try:
+            nested = read_json(r / MANIFEST).get("sources") or []
+        except (CvlError, AttributeError):
+            nested = []
+        if isinstance(nested, list):
+            out += _source_roots(r, [n for n in nested if isinstance(n, dict)], seen)
+    return out
+
+
 def check_inside(m: Manifest) -> None:
     """Every shard's real path (symlinks resolved) lies in the stream folder, or in a source
-    stream reached through a declared `sources[].link` (composed streams)."""
+    stream reached through a declared `sources[].link` (composed streams, also nested)."""
     root = m.root.resolve() if m.root is not None else None
     if root is None:
         return
-    allowed = [root]
-    for s in m.sources:
-        link = str(s.get("link") or "")
-        if link and not Path(link).is_absolute() and ".." not in Path(link).parts:
-            allowed.append((root / link).resolve())
+    allowed = [root, *_source_roots(root, m.sources, {root})]
     sets = [("task", t, m.train_shards(t)) for t in m.task_order]
-    sets += [(f"eval set '{n}'", t, m.eval_shards(n, t)) for n, e in m.eval_sets.items() for t in e.tasks]
+    sets += [
+        (f"eval set '{n}'", t, m.eval_shards(n, t)) for n, e in m.eval_sets.items() for t in e.tasks
+    ]
     sets += [("benchmark", b, m.benchmark_shards(b)) for b in m.benchmarks]
     for kind, name, shards in sets:
         for sh in shards:

@@ -218,6 +218,8 @@ def test_compare_runs(evaluated_run, tmp_path, capsys):
         other / "eval" / "metrics.json"
     ).is_file()
     assert (tmp_path / "cmp" / "compare_Rm.png").is_file()  # the comparison curves
+    cj = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    assert [r["run"] for r in cj["runs"]] == [evaluated_run.name, "b"]
     assert not (other / "eval" / "plots").exists()  # per-run plots: `cvl eval --run`
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -356,3 +357,51 @@ def test_seen_so_far_curve_and_compare_plots(tmp_path):
     assert plot_compare([seq, joint], "Rm", tmp_path / "c.png") == tmp_path / "c.png"
     assert (tmp_path / "c.png").stat().st_size > 0
     assert plot_compare([seq], "TR@1", tmp_path / "none.png") is None  # no such matrix
+
+
+def test_compare_table_json_and_benchmark_columns(tmp_path):
+    """`cvl eval --compare` files: one row per run; each benchmark's columns are the FINAL
+    checkpoint's values (last row), a run without that benchmark gets '–' / null; NaN -> null."""
+    from cvl.evaluation.report import compare_table, write_compare
+
+    a = {
+        "run_name": "a",
+        "method_label": "seqft",
+        "tasks": ["t0", "t1"],
+        "rows": ["00-t0", "01-t1"],
+        "matrices": {},
+        "final": {"Rm": 40.0, "TR@1": float("nan")},
+        "continual": {"Rm": {"average_final": 50.0, "bwt_standard": -12.5}},
+        "benchmarks": {
+            "coco-5k": {
+                "rows": ["00-t0", "01-t1"],
+                "metrics": {"TR@1": [30.0, 20.0], "Rm": [35.0, 25.0]},
+            }
+        },
+    }
+    b = {
+        "run_name": "b",
+        "method_label": "modx",
+        "tasks": ["t0", "t1"],
+        "rows": ["00-t0", "01-t1"],
+        "matrices": {},
+        "final": {"Rm": 45.0},
+        "continual": {"Rm": {"bwt_standard": 2.0}},
+    }
+    headers, rows = compare_table([a, b])
+    assert headers[:2] == ["run", "method"] and headers[-3:] == [
+        "coco-5k TR@1",
+        "coco-5k IR@1",
+        "coco-5k Rm",
+    ]
+    col = {h: i for i, h in enumerate(headers)}
+    assert rows[0][col["coco-5k TR@1"]] == "20.00" and rows[0][col["coco-5k Rm"]] == "25.00"
+    assert rows[0][col["coco-5k IR@1"]] == "–" and rows[1][col["coco-5k Rm"]] == "–"
+    assert rows[0][col["BWT(Rm)"]] == "-12.50" and rows[1][col["BWT(Rm)"]] == "+2.00"
+    files = write_compare([a, b], tmp_path, plots=False)
+    assert sorted(p.name for p in files) == ["compare.csv", "compare.json", "compare.md"]
+    j = json.loads((tmp_path / "compare.json").read_text())
+    assert j["columns"] == headers
+    assert j["runs"][0]["coco-5k Rm"] == 25.0 and j["runs"][0]["TR@1"] is None  # NaN -> null
+    assert j["runs"][1]["coco-5k TR@1"] is None and j["runs"][1]["avg Rm"] is None
+    assert "coco-5k" in (tmp_path / "compare.md").read_text()

@@ -425,51 +425,79 @@ def write_outputs(m: dict[str, Any], out: str | os.PathLike, plots: bool = True)
 
 
 # -- several runs side by side -------------------------------------------------------------------
-def compare_table(ms: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
-    """One row per run: final merged-set metrics (CTP Table 1) + continual summary of Rm."""
-    headers = [
-        "run",
-        "method",
-        *TABLE1,
-        "avg Rm",
-        "BWT(Rm)",
-        "BWT-IncCLIP(Rm)",
-        "forget(Rm)",
-        "FR I2T",
-        "FR T2I",
-        "ZS-top1",
-        "LP-top1",
-    ]
-    rows = []
+COMPARE_CONTINUAL = [  # (column, metric, continual field, signed)
+    ("avg Rm", "Rm", "average_final", False),
+    ("BWT(Rm)", "Rm", "bwt_standard", True),
+    ("BWT-IncCLIP(Rm)", "Rm", "bwt_incclip", True),
+    ("forget(Rm)", "Rm", "forgetting", False),
+    ("FR I2T", "TR@mean", "forgetting_rate", False),
+    ("FR T2I", "IR@mean", "forgetting_rate", False),
+    ("ZS-top1", "ZS-top1", "average_final", False),
+    ("LP-top1", "LP-top1", "average_final", False),
+]
+BENCH_METRICS = ["TR@1", "IR@1", "Rm"]
+
+
+def benchmark_names(ms: Sequence[dict[str, Any]]) -> list[str]:
+    """The benchmarks (eval sets of no task) of the runs, in first-seen order."""
+    names: list[str] = []
+    for m in ms:
+        names += [b for b in m.get("benchmarks") or {} if b not in names]
+    return names
+
+
+def _finite(v: Any) -> Any:
+    """NaN / inf -> None (JSON has no NaN)."""
+    return None if isinstance(v, float) and not math.isfinite(v) else v
+
+
+def compare_records(ms: Sequence[dict[str, Any]]) -> tuple[list[str], list[dict[str, Any]]]:
+    """One record per run (column -> raw value, None when not measured): the final model on
+    the merged test set (CTP Table 1), the continual summary of the per-task R matrices (avg,
+    BWT, forgetting, DHA FR, zero-shot, probe) and the final checkpoint on every benchmark
+    (Mod-X / DKR / IncCLIP: COCO 5K, Flickr30K 1K, ...)."""
+    bench = benchmark_names(ms)
+    headers = ["run", "method", *TABLE1, *(c for c, *_ in COMPARE_CONTINUAL)]
+    headers += [f"{b} {k}" for b in bench for k in BENCH_METRICS]
+    recs = []
     for m in ms:
         fin, cont = m.get("final") or {}, m.get("continual") or {}
+        rec: dict[str, Any] = {"run": m["run_name"], "method": m["method_label"]}
+        rec.update({k: fin.get(k) for k in TABLE1})
+        for col, metric, field_, _ in COMPARE_CONTINUAL:
+            rec[col] = (cont.get(metric) or {}).get(field_)
+        for b in bench:
+            bm = (m.get("benchmarks") or {}).get(b) or {}
+            for k in BENCH_METRICS:
+                vals = (bm.get("metrics") or {}).get(k) or [None]
+                rec[f"{b} {k}"] = vals[-1]  # the last row: the final checkpoint
+        recs.append(rec)
+    return headers, recs
 
-        def c(k: str, f: str, cont: dict[str, Any] = cont) -> Any:
-            return (cont.get(k) or {}).get(f)
 
-        rows.append(
-            [
-                m["run_name"],
-                m["method_label"],
-                *(fmt(fin.get(k)) for k in TABLE1),
-                fmt(c("Rm", "average_final")),
-                fmt(c("Rm", "bwt_standard"), True),
-                fmt(c("Rm", "bwt_incclip"), True),
-                fmt(c("Rm", "forgetting")),
-                fmt(c("TR@mean", "forgetting_rate")),
-                fmt(c("IR@mean", "forgetting_rate")),
-                fmt(c("ZS-top1", "average_final")),
-                fmt(c("LP-top1", "average_final")),
-            ]
-        )
+def compare_table(ms: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """`compare_records` formatted: one row of strings per run."""
+    headers, recs = compare_records(ms)
+    signed = {c for c, *_, s in COMPARE_CONTINUAL if s}
+    rows = [
+        [r[h] if h in ("run", "method") else fmt(r[h], h in signed) for h in headers] for r in recs
+    ]
     return headers, rows
 
 
 def render_compare(ms: Sequence[dict[str, Any]]) -> str:
     headers, rows = compare_table(ms)
+    bench = benchmark_names(ms)
+    more = (
+        f"; the final checkpoint on each benchmark ({', '.join(bench)}: TR@1, IR@1, Rm)"
+        if bench
+        else ""
+    )
     return (
         "Runs side by side: CTP Table-1 metrics of the final model on the merged test set of all "
-        "tasks; avg/BWT/forgetting of Rm and DHA FR from the per-task R matrices (percent)\n\n"
+        "tasks; avg/BWT/forgetting of Rm and DHA FR from the per-task R matrices"
+        + more
+        + " (percent)\n\n"
         + md_table(headers, rows)
         + "\n"
     )
@@ -511,13 +539,17 @@ def plot_compare(ms: Sequence[dict[str, Any]], key: str, path: Path) -> Path | N
 def write_compare(
     ms: Sequence[dict[str, Any]], out: str | os.PathLike, plots: bool = True
 ) -> list[Path]:
-    """compare.md, compare.csv and (plots) compare_Rm.png / compare_TR1.png into `out`."""
+    """compare.md, compare.csv, compare.json (raw values, null when not measured) and
+    (plots) compare_Rm.png / compare_TR1.png into `out`."""
     out = Path(out)
     headers, rows = compare_table(ms)
     files = [
         _write(out / "compare.md", render_compare(ms).encode("utf-8")),
         _write(out / "compare.csv", _csv_bytes(headers, rows)),
     ]
+    recs = [{k: _finite(v) for k, v in r.items()} for r in compare_records(ms)[1]]
+    write_json(out / "compare.json", {"columns": headers, "runs": recs})
+    files.append(out / "compare.json")
     if plots and len({tuple(m["tasks"]) for m in ms}) == 1:  # curves share one task axis
         for key in ("Rm", "TR@1"):
             p = plot_compare(ms, key, out / f"compare_{safe_name(key)}.png")

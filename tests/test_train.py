@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -212,3 +213,40 @@ def test_compile_and_grad_checkpointing_train_like_the_plain_loop(
     wa = _weights(finished_tasks(tmp_path / "plain")[-1].model_path)
     wb = _weights(finished_tasks(tmp_path / "fast")[-1].model_path)
     assert all(torch.allclose(wa[k], wb[k], atol=1e-5) for k in wa)
+
+
+def test_lamb_optimizer_step_by_hand():
+    """`optimizer: lamb` (IncCLIP): step 1 of LAMB on w = [3, 4] (decayed) and b = [2] (not).
+    Adam's bias-corrected direction is g/|g| = [1, -1]; + wd·w = [2.5, 1.0]; trust ratio
+    ||w|| / ||u|| = 5 / sqrt(7.25); w -= lr · ratio · u. b: no decay, no trust ratio (ratio 1):
+    b -= lr · 1. AdamW would give w = [2.75, 3.9]."""
+    from types import SimpleNamespace
+
+    from cvl.train.loop import optimizer_with_schedule
+
+    w = torch.nn.Parameter(torch.tensor([[3.0, 4.0]]))
+    b = torch.nn.Parameter(torch.tensor([2.0]))
+    cfg = SimpleNamespace(
+        optimizer="lamb",
+        lr=0.1,
+        min_lr=0.1,
+        warmup=0.0,
+        weight_decay=0.5,
+        beta1=0.9,
+        beta2=0.99,
+        eps=1e-12,
+    )
+    opt, _ = optimizer_with_schedule([w, b], cfg, steps=10)
+    w.grad = torch.tensor([[1.0, -1.0]])
+    b.grad = torch.tensor([0.5])
+    opt.step()
+    ratio = 5.0 / math.sqrt(2.5**2 + 1.0**2)
+    want = torch.tensor([[3.0 - 0.1 * ratio * 2.5, 4.0 - 0.1 * ratio * 1.0]])
+    assert torch.allclose(w.detach(), want, atol=1e-6), (w, want)
+    assert torch.allclose(b.detach(), torch.tensor([1.9]), atol=1e-6)
+    cfg.optimizer = "adamw"
+    w2 = torch.nn.Parameter(torch.tensor([[3.0, 4.0]]))
+    opt, _ = optimizer_with_schedule([w2], cfg, steps=10)
+    w2.grad = torch.tensor([[1.0, -1.0]])
+    opt.step()
+    assert torch.allclose(w2.detach(), torch.tensor([[2.75, 3.9]]), atol=1e-6)

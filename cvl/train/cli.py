@@ -19,6 +19,7 @@ _OPTS = [
     "batch_size",
     "lr",
     "min_lr",
+    "optimizer",
     "weight_decay",
     "warmup",
     "grad_clip",
@@ -96,9 +97,16 @@ _OPTS = [
     type=float,
     default=5e-4,
     show_default=True,
-    help="Peak AdamW learning rate (re-created per task).",
+    help="Peak learning rate (the optimizer is re-created per task).",
 )
 @click.option("--min-lr", type=float, default=0.0, show_default=True, help="Cosine schedule floor.")
+@click.option(
+    "--optimizer",
+    default="adamw",
+    show_default=True,
+    type=click.Choice(["adamw", "lamb"]),
+    help="AdamW, or LAMB (timm's; layer-wise trust ratio, IncCLIP's optimizer).",
+)
 @click.option("--weight-decay", type=float, default=0.1, show_default=True)
 @click.option(
     "--warmup",

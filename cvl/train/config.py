@@ -34,6 +34,7 @@ class TrainConfig:
     min_lr: float = 0.0
     weight_decay: float = 0.1
     warmup: float = 0.0  # fraction of the task's optimizer steps (< 1) or a step count (≥ 1)
+    optimizer: str = "adamw"  # adamw | lamb (timm's LAMB: IncCLIP trains with it)
     beta1: float = 0.9
     beta2: float = 0.98
     eps: float = 1e-6
@@ -70,6 +71,8 @@ class TrainConfig:
             raise CvlError(f"--model must be clip or fusion, got '{self.model}'")
         if self.precision not in ("no", "bf16", "fp16"):
             raise CvlError(f"--precision must be no, bf16 or fp16, got '{self.precision}'")
+        if self.optimizer not in ("adamw", "lamb"):
+            raise CvlError(f"--optimizer must be adamw or lamb, got '{self.optimizer}'")
         if self.augment not in ("openclip", "ctp", "none"):
             raise CvlError(f"--augment must be openclip, ctp or none, got '{self.augment}'")
         from cvl.train.selection import SELECT_CHOICES

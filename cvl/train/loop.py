@@ -71,19 +71,23 @@ def cosine_schedule(total: int, warmup: float, base_lr: float, min_lr: float):
     return f
 
 
-def adamw_with_schedule(params: list, cfg: Any, steps: int):
-    """The training optimizer: AdamW (no decay on gains, biases, scales) + warm-up/cosine lr."""
+def optimizer_with_schedule(params: list, cfg: Any, steps: int):
+    """The training optimizer + warm-up/cosine lr: AdamW, or (`optimizer: lamb`) LAMB (You et
+    al. 2020; timm's, with no clipping of its own: `grad_clip` does that), no weight decay on
+    gains, biases and scales (LAMB's trust ratio only where weights decay, as NVLAMB)."""
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
-    opt = torch.optim.AdamW(
-        [
-            {"params": decay, "weight_decay": cfg.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ],
-        lr=cfg.lr,
-        betas=(cfg.beta1, cfg.beta2),
-        eps=cfg.eps,
-    )
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    betas = (cfg.beta1, cfg.beta2)
+    if getattr(cfg, "optimizer", "adamw") == "lamb":
+        from timm.optim import Lamb
+
+        opt = Lamb(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, max_grad_norm=None)
+    else:
+        opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, cosine_schedule(steps, cfg.warmup, cfg.lr, cfg.min_lr)
     )
@@ -458,7 +462,7 @@ class Trainer:
         return ps + [p for p in self.method.extra_parameters() if p.requires_grad]
 
     def _optimizer(self, steps: int):
-        opt, sched = adamw_with_schedule(self._params(), self.cfg, steps)
+        opt, sched = optimizer_with_schedule(self._params(), self.cfg, steps)
         return self.acc.prepare_optimizer(opt, device_placement=False), sched
 
     def _train_task(self, ti: int, ctx: TaskContext, pos: dict | None) -> None:

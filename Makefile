@@ -8,7 +8,7 @@ TORCH_PIN := torch==2.14.1 torchvision==0.29.1
 DEMO_DIR ?= demo-out
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: venv demo test lint format bench clean
+.PHONY: venv demo test smoke lint format bench clean
 
 venv: $(STAMP)
 
@@ -24,6 +24,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# Every paper recipe's --smoke mode (recipes/*.sh: the protocols on synthetic stand-ins, tiny
+# models, CPU), as the tests marked `recipes` that `make test` leaves out; two at a time
+# (pytest-xdist), each process on one thread.
+smoke: $(STAMP)
+	$(BIN)/python -m pytest -q -m recipes -n 2 --durations=0 tests/test_recipes.py
 
 lint: $(STAMP)
 	$(BIN)/ruff format --check cvl tests benchmarks recipes

@@ -8,9 +8,9 @@
 #   recipes/ctp_p9d.sh --data P9D --model-config fusion-ctp.json --nproc 8 --out ctp-out
 # DATA holds P9D's json/ (train, test, query, gallery) and its images; the model config is a
 # JSON extending `base` with the local DeiT-B/16 file and bert-base-chinese folder.
-# Smoke (CPU): 9 synthetic tasks (and the same 9 reversed), tiny fusion model (10 % warm-up,
-# as recipes/synthetic_methods.sh), 1 epoch; the smoke's default method list is trimmed to
-# one or two per group: joint seqft ewc lwf ctp er icarl ctp-er (--methods for all).
+# Smoke (CPU): 9 synthetic tasks named after P9D's industries, with test, query and gallery
+# sets, in the default and the reversed order; tiny fusion model (10 % warm-up, as
+# recipes/synthetic_methods.sh), 1 epoch; every method of Table 1.
 #   recipes/ctp_p9d.sh --smoke --out ctp-smoke
 # Hyperparameters: recipes/configs/ctp_p9d.yaml (smoke: configs/smoke.yaml).
 #
@@ -18,13 +18,14 @@
 source "$(dirname "$0")/lib.sh"
 parse_args "$@"
 OUT=${OUT:-ctp-out}
-SETTINGS=${SETTINGS:-"default reversed"}
+ALL="joint seqft ewc si mas afec rwalk lwf ctp er mof kmeans icarl lucir ctp-er"
+METHODS=${METHODS:-$ALL} SETTINGS=${SETTINGS:-"default reversed"}
+check_choices method "$METHODS" "$ALL"
+check_choices setting "$SETTINGS" "default reversed"
 if [ "$SMOKE" = 1 ]; then
-  METHODS=${METHODS:-"joint seqft ewc lwf ctp er icarl ctp-er"}
   CFG="$RECIPES/configs/smoke.yaml" BUF=8
   SMOKE_ARGS=(--model fusion --model-config tiny --warmup 0.1)
 else
-  METHODS=${METHODS:-"joint seqft ewc si mas afec rwalk lwf ctp er mof kmeans icarl lucir ctp-er"}
   CFG="$RECIPES/configs/ctp_p9d.yaml" BUF=10000
   SMOKE_ARGS=()
 fi
@@ -38,24 +39,24 @@ args_of() {
     *) echo "error: unknown method '$1' for ctp_p9d.sh" >&2; exit 2 ;;
   esac
 }
-BASE="$OUT/stream-default"
+INDUSTRIES=(Household Furnishings Food Beauty Clothing Auto Parenting Outdoor Electronics)
 for S in $SETTINGS; do
   D="$OUT/$S" STREAM="$OUT/stream-$S"
   mkdir -p "$D"
   step "$S order: build the stream"
   if [ "$SMOKE" = 1 ]; then
-    build_stream "$BASE" synthetic --out "$BASE" --tasks 9 --per-task 32 --test-per-task 16 \
+    ALL="$OUT/sources/_all"
+    build_stream "$ALL" synthetic --out "$ALL" --tasks 9 --per-task 32 --test-per-task 16 \
       --val-per-task 4 --query-per-task 8 --gallery-per-task 16 --seed "$SEED" --quiet
-    if [ "$S" = reversed ]; then
-      TASKS=()
-      for i in 8 7 6 5 4 3 2 1 0; do TASKS+=(--task "t$i=$BASE:task=t$i"); done
-      build_stream "$STREAM" compose "${TASKS[@]}" --out "$STREAM"
-    fi
+    ORDER=(0 1 2 3 4 5 6 7 8)
+    [ "$S" = reversed ] && ORDER=(8 7 6 5 4 3 2 1 0)
+    TASKS=()
+    for i in "${ORDER[@]}"; do TASKS+=(--task "${INDUSTRIES[$i]}=$ALL:task=t$i"); done
+    build_stream "$STREAM" compose "${TASKS[@]}" --out "$STREAM"
   else
     build_stream "$STREAM" p9d --annotations "$DATA/json" --images "$DATA" --order "$S" \
       --seed "$SEED" --out "$STREAM"
   fi
-  case "$S" in default | reversed) ;; *) echo "error: unknown setting '$S' (default, reversed)" >&2; exit 2 ;; esac
   RUNS=()
   for M in $METHODS; do
     step "$S order: train $M"

@@ -8,7 +8,8 @@
 # (`cvl build-stream cc3m|wit|goodnews ... --sample 130000 --val 13000 --test 5000`) into
 # STREAMS/cc3m, STREAMS/wit, STREAMS/goodnews; COCO comes from DATA/coco.
 #   recipes/dha_citm.sh --data data --streams streams --nproc 8 --out dha-out
-# Smoke (CPU, minutes): 4 synthetic tasks, tiny RN CLIP, 1 epoch:
+# Smoke (CPU, minutes): the same protocol stream (`cvl build-stream protocol dha-citm`, 4
+# tasks) from synthetic stand-ins for COCO, CC3M, WIT and GoodNews; tiny RN CLIP, 1 epoch:
 #   recipes/dha_citm.sh --smoke --out dha-smoke
 # Hyperparameters: recipes/configs/dha_citm.yaml (smoke: configs/smoke.yaml).
 # Buffers: 5 % of a task's training set (6,500 of 130k pairs) for ER, DER, Co2L and DHA.
@@ -17,7 +18,10 @@
 source "$(dirname "$0")/lib.sh"
 parse_args "$@"
 OUT=${OUT:-dha-out}
-METHODS=${METHODS:-"seqft lwf er der co2l dha dha-dagger"}
+ALL="seqft lwf er der co2l dha dha-dagger"
+METHODS=${METHODS:-$ALL}
+check_choices method "$METHODS" "$ALL"
+check_choices setting "$SETTINGS" "citm"  # one setting
 if [ "$SMOKE" = 1 ]; then
   CFG="$RECIPES/configs/smoke.yaml" BUF=4
 else
@@ -38,12 +42,12 @@ mkdir -p "$OUT"
 STREAM="$OUT/stream"
 step "1. build the CITM stream"
 if [ "$SMOKE" = 1 ]; then
-  build_stream "$STREAM" synthetic --out "$STREAM" --tasks 4 --per-task 64 --test-per-task 24 \
-    --val-per-task 16 --query-per-task 8 --gallery-per-task 16 --seed "$SEED" --quiet
+  smoke_sources "$OUT/sources" 64 0 coco cc3m wit goodnews
+  SRC=(--streams "$OUT/sources")
 else
-  build_stream "$STREAM" protocol dha-citm --data "$DATA" --stream "cc3m=$STREAMS/cc3m" \
-    --stream "wit=$STREAMS/wit" --stream "goodnews=$STREAMS/goodnews" --seed "$SEED" --out "$STREAM"
+  SRC=(--data "$DATA" --streams "$STREAMS")
 fi
+build_stream "$STREAM" protocol dha-citm "${SRC[@]}" --seed "$SEED" --out "$STREAM"
 INIT=()
 [ -n "$WEIGHTS" ] && INIT=(--pretrained "$WEIGHTS")
 RUNS=()

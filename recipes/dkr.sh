@@ -5,8 +5,10 @@
 # Runs joint, zero-shot, SFT (seqft), EWC, LwF, ERL, AFC, Mod-X and DKR; one comparison table
 # per setting (OUT/SETTING/compare/compare.md).
 #   recipes/dkr.sh --data data --weights ViT-B-32.pt --nproc 8 --out dkr-out
-# Smoke (CPU): synthetic streams of 5 tasks each, tiny RN CLIP, 1 epoch, starting from a tiny
-# CLIP_0 trained on a synthetic pretraining set (standing in for the OpenAI weights).
+# Smoke (CPU): the same protocol streams (`cvl build-stream protocol dkr-s1|dkr-s2`, 5 tasks
+# each, s2 with its three benchmarks) from synthetic stand-ins for COCO, Flickr30K, IAPR, EC
+# and RSICD; tiny RN CLIP, 1 epoch, starting from a tiny CLIP_0 trained on a synthetic
+# pretraining set (standing in for the OpenAI weights).
 #   recipes/dkr.sh --smoke --out dkr-smoke
 # Hyperparameters: recipes/configs/dkr.yaml (smoke: configs/smoke.yaml). ERL's exemplar
 # buffer (not given by the paper): 2,000 pairs (smoke 4).
@@ -15,8 +17,10 @@
 source "$(dirname "$0")/lib.sh"
 parse_args "$@"
 OUT=${OUT:-dkr-out}
-METHODS=${METHODS:-"joint zeroshot seqft ewc lwf erl afc modx dkr"}
-SETTINGS=${SETTINGS:-"s1 s2"}
+ALL="joint zeroshot seqft ewc lwf erl afc modx dkr"
+METHODS=${METHODS:-$ALL} SETTINGS=${SETTINGS:-"s1 s2"}
+check_choices method "$METHODS" "$ALL"
+check_choices setting "$SETTINGS" "s1 s2"
 BUF=2000
 [ "$SMOKE" = 1 ] && BUF=4
 args_of() {  # $1 method, $2 setting
@@ -27,26 +31,25 @@ args_of() {  # $1 method, $2 setting
     *) echo "error: unknown method '$1' for dkr.sh" >&2; exit 2 ;;
   esac
 }
+if [ "$SMOKE" = 1 ]; then
+  CFG="$RECIPES/configs/smoke.yaml"
+  step "synthetic stand-ins for COCO, Flickr30K, IAPR, EC, RSICD (+ a pretraining set)"
+  smoke_sources "$OUT/sources" 96 128 coco flickr30k iapr ec rsicd
+  SRC=(--streams "$OUT/sources")
+  step "CLIP_0 on the pretraining set (stands in for the OpenAI weights)"
+  train "$CFG" "$OUT/clip0" --stream "$OUT/sources/_all/pretrain" --method seqft
+  INIT=(--init-run "$OUT/clip0")
+else
+  CFG="$RECIPES/configs/dkr.yaml"
+  [ -n "$WEIGHTS" ] || { echo "error: DKR starts from OpenAI ViT-B/32: give --weights FILE" >&2; exit 2; }
+  SRC=(--data "$DATA" --streams "$STREAMS")
+  INIT=(--pretrained "$WEIGHTS")
+fi
 for S in $SETTINGS; do
-  case "$S" in s1 | s2) ;; *) echo "error: unknown setting '$S' (s1, s2)" >&2; exit 2 ;; esac
   D="$OUT/$S" STREAM="$OUT/$S/stream"
   mkdir -p "$D"
-  if [ "$SMOKE" = 1 ]; then
-    CFG="$RECIPES/configs/smoke.yaml"
-    step "$S: build the synthetic stream (5 tasks) and a pretraining set"
-    build_stream "$STREAM" synthetic --out "$STREAM" --tasks 5 --per-task 48 --pretrain 128 \
-      --test-per-task 24 --val-per-task 8 --query-per-task 8 --gallery-per-task 16 \
-      --seed "$SEED" --quiet
-    step "$S: CLIP_0 on the pretraining set (stands in for the OpenAI weights)"
-    train "$CFG" "$D/runs/clip0" --stream "$STREAM/pretrain" --method seqft
-    INIT=(--init-run "$D/runs/clip0")
-  else
-    CFG="$RECIPES/configs/dkr.yaml"
-    [ -n "$WEIGHTS" ] || { echo "error: DKR starts from OpenAI ViT-B/32: give --weights FILE" >&2; exit 2; }
-    INIT=(--pretrained "$WEIGHTS")
-    step "$S: build the protocol stream"
-    build_stream "$STREAM" protocol "dkr-$S" --data "$DATA" --seed "$SEED" --out "$STREAM"
-  fi
+  step "$S: build the protocol stream"
+  build_stream "$STREAM" protocol "dkr-$S" "${SRC[@]}" --seed "$SEED" --out "$STREAM"
   RUNS=()
   for M in $METHODS; do
     step "$S: train $M"

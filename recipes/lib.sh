@@ -5,8 +5,8 @@
 # Source it; do not run it.
 #
 # Options (each also an environment variable, options win):
-#   --smoke              the same pipeline on synthetic data shaped like the protocol (same
-#                        number of tasks), tiny models, CPU, minutes (SMOKE=1)
+#   --smoke              the same pipeline on synthetic stand-ins for the protocol's data
+#                        (same tasks, eval sets and benchmarks), tiny models, CPU (SMOKE=1)
 #   --out DIR            everything goes here (OUT) [recipe name + -out]
 #   --data DIR           raw datasets (DATA): coco/, flickr30k/, ec/, iapr/, rsicd/, ...
 #   --streams DIR        streams built beforehand from URL lists, named by source (STREAMS):
@@ -21,9 +21,10 @@
 #   --methods "A B"      the runs to train (METHODS) [the paper's list]
 #   --settings "A B"     the protocol settings to run (SETTINGS) [all of the recipe's]
 #   --seed N             (SEED) [0]
-# CVL (the cvl command, default .venv/bin/cvl) and ACCELERATE (default: accelerate next to CVL)
-# choose the executables. Rerunning the same command skips what is finished: streams are kept,
-# `cvl train` resumes (a finished run returns at once), `cvl eval` reads its cache.
+# CVL (the cvl command; default: the repo's .venv/bin/cvl, else `cvl` on PATH) and ACCELERATE
+# (default: accelerate next to CVL) choose the executables. Rerunning the same command skips
+# what is finished: streams are kept, `cvl train` resumes (a finished run returns at once),
+# `cvl eval` reads its cache.
 set -euo pipefail
 
 RECIPES=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -41,7 +42,11 @@ MAIN_PORT=${MAIN_PORT:-29500}
 METHODS=${METHODS:-}
 SETTINGS=${SETTINGS:-}
 SEED=${SEED:-0}
-CVL=${CVL:-.venv/bin/cvl}
+# The cvl executable: $CVL, else the repo's .venv (make test / make demo create it), else PATH.
+if [ -z "${CVL:-}" ]; then
+  CVL=$RECIPES/../.venv/bin/cvl
+  [ -x "$CVL" ] || CVL=$(command -v cvl || echo cvl)
+fi
 ACCELERATE=${ACCELERATE:-$(dirname "$CVL")/accelerate}
 
 # --help: the recipe's header comment, then these common options.
@@ -79,6 +84,14 @@ parse_args() {
 }
 
 step() { echo; echo "== [$(($(date +%s) - t_start)) s] $* =="; }
+
+# Refuse unknown --methods / --settings before any work: check_choices WHAT "GIVEN" "KNOWN".
+check_choices() {
+  local x
+  for x in $2; do
+    [[ " $3 " == *" $x "* ]] || { echo "error: unknown $1 '$x' ($3)" >&2; exit 2; }
+  done
+}
 
 # The value of a top-level `key: value` line of a recipe YAML (comments stripped).
 cfg_get() { sed -n "s/^$1:[[:space:]]*\([^#]*\).*/\1/p" "$2" | tr -d '[:space:]'; }
@@ -133,5 +146,28 @@ compare() {
   "$CVL" eval --compare "$@" "${opts[@]}" --quiet --out "$dir"
 }
 
-# Evaluation options: the smoke mode skips the linear probe and zero-shot classification.
-eval_opts() { if [ "$SMOKE" = 1 ]; then echo "--no-probe --no-zeroshot"; fi; }
+# Evaluation options: the smoke mode skips the linear probe (sklearn on every checkpoint).
+eval_opts() { if [ "$SMOKE" = 1 ]; then echo "--no-probe"; fi; }
+
+# Smoke stand-ins for a protocol's sources: one synthetic stream with a task per source
+# (neighbouring tasks share vocabulary), then a one-task stream per source, named after it,
+# in DIR; `cvl build-stream protocol PRESET --streams DIR` then composes the paper's tasks,
+# parts and benchmarks from them exactly as from the real sources. PRETRAIN > 0 also writes
+# a pretraining set (DIR/_all/pretrain) for a CLIP_0 standing in for OpenAI's weights.
+# Usage: smoke_sources DIR PAIRS_PER_SOURCE PRETRAIN SOURCE...
+smoke_sources() {
+  local dir=$1 per=$2 pre=$3 i=0 s; shift 3
+  build_stream "$dir/_all" synthetic --out "$dir/_all" --tasks $# --per-task "$per" \
+    --test-per-task 16 --val-per-task 10 --query-per-task 10 --gallery-per-task 20 \
+    --pretrain "$pre" --seed "$SEED" --quiet
+  for s in "$@"; do
+    build_stream "$dir/$s" compose --task "$s=$dir/_all:task=t$i" --out "$dir/$s"
+    i=$((i + 1))
+  done
+}
+
+# The task names of a stream, in training order (one per line).
+task_names() {
+  python3 -c 'import json, sys; print("\n".join(json.load(open(sys.argv[1]))["task_order"]))' \
+    "$1/stream.json"
+}

@@ -8,9 +8,10 @@
 # (OUT/SETTING/compare/compare.md) and SAM / RAM / ImAV of seqft vs Mod-X
 # (OUT/SETTING/runs/seqft/analysis/).
 #   recipes/modx.sh --data data --streams streams --weights ViT-B-32.pt --nproc 8 --out modx-out
-# Smoke (CPU): the same settings on synthetic streams with 6, 5 and 10 tasks; tiny RN CLIP,
-# 1 epoch; the EC setting starts from a tiny CLIP_0 trained on a synthetic pretraining set
-# (standing in for the OpenAI weights).
+# Smoke (CPU): the same protocol streams (`cvl build-stream protocol`: 6, 5 and 10 tasks, the
+# COCO / Flickr30K / EC benchmarks) composed from synthetic stand-ins for COCO, Flickr30K, EC
+# and CC12M (160 pairs each); tiny RN CLIP, 1 epoch; the EC setting starts from a tiny CLIP_0
+# trained on a synthetic pretraining set (standing in for the OpenAI weights).
 #   recipes/modx.sh --smoke --out modx-smoke
 # Hyperparameters: recipes/configs/modx.yaml, modx-ec.yaml (smoke: configs/smoke.yaml).
 # DER's buffer (not given by the paper): 1,000 pairs (smoke 4).
@@ -19,8 +20,10 @@
 source "$(dirname "$0")/lib.sh"
 parse_args "$@"
 OUT=${OUT:-modx-out}
-METHODS=${METHODS:-"seqft ewc lwf der modx joint"}
-SETTINGS=${SETTINGS:-"coco-f30k ec cc12m"}
+ALL="seqft ewc lwf der modx joint"
+METHODS=${METHODS:-$ALL} SETTINGS=${SETTINGS:-"coco-f30k ec cc12m"}
+check_choices method "$METHODS" "$ALL"
+check_choices setting "$SETTINGS" "coco-f30k ec cc12m"
 BUF=1000
 [ "$SMOKE" = 1 ] && BUF=4
 args_of() {
@@ -30,46 +33,36 @@ args_of() {
     *) echo "error: unknown method '$1' for modx.sh" >&2; exit 2 ;;
   esac
 }
+if [ "$SMOKE" = 1 ]; then
+  CFG="$RECIPES/configs/smoke.yaml" CFG_EC="$RECIPES/configs/smoke.yaml"
+  step "synthetic stand-ins for COCO, Flickr30K, EC, CC12M (+ a pretraining set)"
+  smoke_sources "$OUT/sources" 160 128 coco flickr30k ec cc12m
+  SRC=(--streams "$OUT/sources")
+else
+  CFG="$RECIPES/configs/modx.yaml" CFG_EC="$RECIPES/configs/modx-ec.yaml"
+  SRC=(--data "$DATA" --streams "$STREAMS")
+fi
 for S in $SETTINGS; do
-  D="$OUT/$S" STREAM="$OUT/$S/stream"
+  D="$OUT/$S" STREAM="$OUT/$S/stream" C=$CFG INIT=()
   mkdir -p "$D"
-  INIT=()
-  if [ "$SMOKE" = 1 ]; then
-    CFG="$RECIPES/configs/smoke.yaml"
-    SYN=(--test-per-task 24 --val-per-task 8 --query-per-task 8 --gallery-per-task 16 --quiet)
-    step "$S: build the synthetic stream"
-    case "$S" in
-      coco-f30k) build_stream "$STREAM" synthetic --out "$STREAM" --tasks 6 --first-task 96 \
-        --per-task 48 --seed "$SEED" "${SYN[@]}" ;;
-      ec) build_stream "$STREAM" synthetic --out "$STREAM" --tasks 5 --per-task 48 \
-        --pretrain 128 --seed "$SEED" "${SYN[@]}"
-        step "$S: CLIP_0 on the pretraining set (stands in for the OpenAI weights)"
-        train "$CFG" "$D/runs/clip0" --stream "$STREAM/pretrain" --method seqft
-        INIT=(--init-run "$D/runs/clip0") ;;
-      cc12m) build_stream "$STREAM" synthetic --out "$STREAM" --tasks 10 --per-task 32 \
-        --seed "$SEED" "${SYN[@]}" ;;
-      *) echo "error: unknown setting '$S' (coco-f30k, ec, cc12m)" >&2; exit 2 ;;
-    esac
-  else
-    step "$S: build the protocol stream"
-    case "$S" in
-      coco-f30k) CFG="$RECIPES/configs/modx.yaml"
-        build_stream "$STREAM" protocol modx-coco-f30k --data "$DATA" --seed "$SEED" --out "$STREAM" ;;
-      ec) CFG="$RECIPES/configs/modx-ec.yaml"
-        [ -n "$WEIGHTS" ] || { echo "error: the ec setting starts from OpenAI ViT-B/32: give --weights FILE" >&2; exit 2; }
-        INIT=(--pretrained "$WEIGHTS")
-        build_stream "$STREAM" protocol modx-ec --data "$DATA" --seed "$SEED" --out "$STREAM" ;;
-      cc12m) CFG="$RECIPES/configs/modx.yaml"
-        build_stream "$STREAM" protocol modx-cc12m --data "$DATA" --stream "cc12m=$STREAMS/cc12m" \
-          --seed "$SEED" --out "$STREAM" ;;
-      *) echo "error: unknown setting '$S' (coco-f30k, ec, cc12m)" >&2; exit 2 ;;
-    esac
+  step "$S: build the protocol stream"
+  build_stream "$STREAM" protocol "modx-$S" "${SRC[@]}" --seed "$SEED" --out "$STREAM"
+  if [ "$S" = ec ]; then
+    C=$CFG_EC
+    if [ "$SMOKE" = 1 ]; then
+      step "$S: CLIP_0 on the pretraining set (stands in for the OpenAI weights)"
+      train "$CFG" "$D/runs/clip0" --stream "$OUT/sources/_all/pretrain" --method seqft
+      INIT=(--init-run "$D/runs/clip0")
+    else
+      [ -n "$WEIGHTS" ] || { echo "error: the ec setting starts from OpenAI ViT-B/32: give --weights FILE" >&2; exit 2; }
+      INIT=(--pretrained "$WEIGHTS")
+    fi
   fi
   RUNS=()
   for M in $METHODS; do
     step "$S: train $M"
     # shellcheck disable=SC2046
-    train "$CFG" "$D/runs/$M" --stream "$STREAM" $(args_of "$M") ${INIT[@]+"${INIT[@]}"}
+    train "$C" "$D/runs/$M" --stream "$STREAM" $(args_of "$M") ${INIT[@]+"${INIT[@]}"}
     RUNS+=("$D/runs/$M")
   done
   step "$S: evaluate and compare"

@@ -84,8 +84,14 @@ for S in $SETTINGS; do
         build_stream "$POOL" cc12m --tsv "$DATA/cc12m/cc12m.tsv" --chunks 1 --sample 2000000 \
           --test 5000 --seed "$SEED" --out "$POOL"
         LABELS=$(basename "$BEIT")
-        if [ ! -f "$POOL/labels/$LABELS/labels.json" ]; then
-          "$CVL" pseudo-label --stream "$POOL" --model "$BEIT" --name "$LABELS"
+        # BEiT labels on node 0 (NPROC processes); other nodes only need the split streams
+        if [ ! -f "$POOL/labels/$LABELS/labels.json" ] && [ "$NODE_RANK" -eq 0 ]; then
+          if [ "$NPROC" -gt 1 ]; then
+            "$ACCELERATE" launch --multi_gpu --num_processes "$NPROC" --mixed_precision no \
+              --dynamo_backend no -m cvl pseudo-label --stream "$POOL" --model "$BEIT" --name "$LABELS"
+          else
+            "$CVL" pseudo-label --stream "$POOL" --model "$BEIT" --name "$LABELS"
+          fi
         fi
       fi
       step "$S: class split into ${S#class} steps"

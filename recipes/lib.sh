@@ -127,9 +127,11 @@ train() {
   local extra=(--config "$cfg" --batch-size "$batch" --seed "$SEED" --quiet)
   [ -n "$MODEL_CONFIG" ] && extra+=(--model-config "$MODEL_CONFIG")
   if [ "$WORLD" -gt 1 ]; then
-    "$ACCELERATE" launch --num_processes "$WORLD" --num_machines "$NNODES" \
+    # --multi_gpu: without it, accelerate on a machine with no GPU ignores --num_processes and
+    # starts ONE plain process; with it, N processes (gloo on CPU, NCCL on GPUs).
+    "$ACCELERATE" launch --multi_gpu --num_processes "$WORLD" --num_machines "$NNODES" \
       --machine_rank "$NODE_RANK" --main_process_ip "$MAIN_ADDR" --main_process_port "$MAIN_PORT" \
-      -m cvl train "${extra[@]}" "$@" --out "$run"
+      --mixed_precision no --dynamo_backend no -m cvl train "${extra[@]}" "$@" --out "$run"
   else
     "$CVL" train "${extra[@]}" "$@" --out "$run"
   fi

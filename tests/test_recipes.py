@@ -3,8 +3,8 @@
 The smoke tests run every recipe's --smoke mode whole (synthetic stand-ins for the protocols'
 data, tiny models, CPU) through a `cvl` wrapper around this interpreter, and check each
 setting's comparison table has exactly one row per method, in the recipe's order, with numbers
-in it. Together they take about N minutes, so they carry the `recipes` marker: `make test`
-leaves them out, `make smoke` runs them, and CI runs both.
+in it. One at a time they take 30 minutes here (2 to 10 each), so they carry the `recipes`
+marker: `make test` leaves them out, `make smoke` runs them (two at a time), CI runs both.
 """
 
 from __future__ import annotations
@@ -62,7 +62,8 @@ def test_multi_process_training_goes_through_accelerate(tmp_path):
     env = _env(tmp_path, ACCELERATE=str(fake))
     subprocess.run(["bash", "-c", script], env=env, check=True)
     args = log.read_text().split()
-    assert args[:2] == ["launch", "--num_processes"] and args[2] == "4"
+    # --multi_gpu: without it accelerate starts ONE process on a machine with no GPU
+    assert args[:4] == ["launch", "--multi_gpu", "--num_processes", "4"]
     i = args.index("--machine_rank")
     assert args[i + 1] == "1" and "h0" in args
     assert args[args.index("-m") + 1 : args.index("-m") + 3] == ["cvl", "train"]
@@ -109,7 +110,8 @@ def test_recipe_smoke(name, tmp_path):
     """`RECIPE --smoke` (build -> train every method -> eval -> compare) runs green on the CPU;
     every setting's stream has the protocol's task count and benchmarks; its compare.csv and
     compare.json have one row per method, in the recipe's order, with a finite Rm and the
-    benchmarks' columns; Mod-X writes the rotation analysis; a rerun retrains nothing."""
+    benchmarks' columns; Mod-X writes the rotation analysis; (DHA) a rerun retrains nothing and
+    --nproc 2 trains in two processes."""
     out = tmp_path / "out"
     cmd = ["bash", str(RECIPES / name), "--smoke", "--out", str(out)]
     r = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True)
@@ -135,3 +137,9 @@ def test_recipe_smoke(name, tmp_path):
         again = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True)
         assert again.returncode == 0, again.stderr[-3000:]
         assert "reusing" in again.stdout and "saved" not in again.stdout
+        # --nproc 2 really trains in 2 processes (accelerate launch), each with half the batch
+        two = [*cmd[:-1], str(tmp_path / "two"), "--nproc", "2", "--methods", "seqft dha"]
+        r = subprocess.run(two, env=_env(tmp_path), capture_output=True, text=True)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        run = json.loads((tmp_path / "two" / "runs" / "dha" / "run.json").read_text())
+        assert run["processes"] == 2 and run["config"]["batch_size"] == 4  # smoke: global 8

@@ -471,7 +471,7 @@ def pseudo_label(
     shards are not rewritten. Resumable: rerun the same command after an interruption. Several
     processes (GPUs) each label a disjoint part, merged at the end:
       cvl pseudo-label --stream streams/cc12m-pool --model microsoft/beit-base-patch16-224
-      accelerate launch --num_processes 8 -m cvl pseudo-label --stream streams/cc12m-pool \\
+      accelerate launch --multi_gpu --num_processes 8 -m cvl pseudo-label --stream streams/cc12m-pool \\
           --model microsoft/beit-base-patch16-224 --batch-size 256 --workers 8
     Then: cvl build-stream class-split --from STREAM --labels NAME --steps 4 ...
     """

@@ -224,7 +224,8 @@ def train(
     Writes RUN/run.json (resolved config), RUN/init/ (initial weights), one checkpoint per
     finished task in RUN/tasks/NN-name/, and a mid-task checkpoint in RUN/last/. Rerunning
     the same command resumes where it stopped; a different config is refused unless --force.
-    Multi-process: `torchrun --nproc_per_node N -m cvl train ...` or `accelerate launch`.
+    Multi-process: `torchrun --nproc_per_node N -m cvl train ...` or `accelerate launch
+    --multi_gpu --num_processes N -m cvl train ...`.
     """
     from click.core import ParameterSource
 

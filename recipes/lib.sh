@@ -22,7 +22,7 @@
 #   --settings "A B"     the protocol settings to run (SETTINGS) [all of the recipe's]
 #   --seed N             (SEED) [0]
 # CVL (the cvl command; default: the repo's .venv/bin/cvl, else `cvl` on PATH) and ACCELERATE
-# (default: accelerate next to CVL) choose the executables. Rerunning the same command skips
+# (default: accelerate next to CVL, else on PATH) choose the executables. Rerunning the same command skips
 # what is finished: streams are kept, `cvl train` resumes (a finished run returns at once),
 # `cvl eval` reads its cache.
 set -euo pipefail
@@ -47,7 +47,10 @@ if [ -z "${CVL:-}" ]; then
   CVL=$RECIPES/../.venv/bin/cvl
   [ -x "$CVL" ] || CVL=$(command -v cvl || echo cvl)
 fi
-ACCELERATE=${ACCELERATE:-$(dirname "$CVL")/accelerate}
+if [ -z "${ACCELERATE:-}" ]; then
+  ACCELERATE=$(dirname "$CVL")/accelerate
+  [ -x "$ACCELERATE" ] || ACCELERATE=$(command -v accelerate || echo accelerate)
+fi
 
 # --help: the recipe's header comment, then these common options.
 usage() {

@@ -23,11 +23,14 @@ PAPER_RECIPES = ["ctp_p9d.sh", "incclip_cc12m.sh", "modx.sh", "dha_citm.sh", "dk
 
 
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    """Environment with CVL pointing at `python -m cvl` of this interpreter."""
+    """Environment with CVL pointing at `python -m cvl` of this interpreter, ACCELERATE at the
+    accelerate installed beside it."""
     cvl = tmp_path / "cvl"
     cvl.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m cvl "$@"\n')
     cvl.chmod(0o755)
-    return {**os.environ, "OMP_NUM_THREADS": "1", "CVL": str(cvl), **extra}
+    acc = str(Path(sys.executable).parent / "accelerate")
+    env = {"OMP_NUM_THREADS": "1", "CVL": str(cvl), "ACCELERATE": acc, **extra}
+    return {**os.environ, **env}
 
 
 @pytest.mark.parametrize("name", PAPER_RECIPES)

@@ -41,7 +41,7 @@ if [ "$SMOKE" = 1 ]; then
   INIT=(--init-run "$OUT/clip0")
 else
   CFG="$RECIPES/configs/dkr.yaml"
-  [ -n "$WEIGHTS" ] || { echo "error: DKR starts from OpenAI ViT-B/32: give --weights FILE" >&2; exit 2; }
+  need_weights "DKR starts from OpenAI ViT-B/32"
   SRC=(--data "$DATA" --streams "$STREAMS")
   INIT=(--pretrained "$WEIGHTS")
 fi

@@ -88,6 +88,13 @@ parse_args() {
 
 step() { echo; echo "== [$(($(date +%s) - t_start)) s] $* =="; }
 
+# The --weights file a protocol starts from: refused before any work when not given or missing.
+# Usage: need_weights "what starts from them"
+need_weights() {
+  [ -n "$WEIGHTS" ] || { echo "error: $1: give --weights FILE" >&2; exit 2; }
+  [ -f "$WEIGHTS" ] || { echo "error: --weights $WEIGHTS: file not found" >&2; exit 2; }
+}
+
 # Refuse unknown --methods / --settings before any work: check_choices WHAT "GIVEN" "KNOWN".
 check_choices() {
   local x

@@ -41,6 +41,7 @@ if [ "$SMOKE" = 1 ]; then
 else
   CFG="$RECIPES/configs/modx.yaml" CFG_EC="$RECIPES/configs/modx-ec.yaml"
   SRC=(--data "$DATA" --streams "$STREAMS")
+  [[ " $SETTINGS " == *" ec "* ]] && need_weights "the ec setting starts from OpenAI ViT-B/32"
 fi
 for S in $SETTINGS; do
   D="$OUT/$S" STREAM="$OUT/$S/stream" C=$CFG INIT=()
@@ -54,7 +55,6 @@ for S in $SETTINGS; do
       train "$CFG" "$D/runs/clip0" --stream "$OUT/sources/_all/pretrain" --method seqft
       INIT=(--init-run "$D/runs/clip0")
     else
-      [ -n "$WEIGHTS" ] || { echo "error: the ec setting starts from OpenAI ViT-B/32: give --weights FILE" >&2; exit 2; }
       INIT=(--pretrained "$WEIGHTS")
     fi
   fi

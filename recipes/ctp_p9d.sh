@@ -57,15 +57,6 @@ for S in $SETTINGS; do
     build_stream "$STREAM" p9d --annotations "$DATA/json" --images "$DATA" --order "$S" \
       --seed "$SEED" --out "$STREAM"
   fi
-  RUNS=()
-  for M in $METHODS; do
-    step "$S order: train $M"
-    # shellcheck disable=SC2046
-    train "$CFG" "$D/runs/$M" --stream "$STREAM" $(args_of "$M") ${SMOKE_ARGS[@]+"${SMOKE_ARGS[@]}"}
-    RUNS+=("$D/runs/$M")
-  done
-  step "$S order: evaluate and compare"
-  # shellcheck disable=SC2046
-  compare "$D/compare" $(eval_opts) -- "${RUNS[@]}"
+  train_and_compare "$S order: " "$CFG" "$D" "$STREAM" "$S" ${SMOKE_ARGS[@]+"${SMOKE_ARGS[@]}"}
 done
 step "done: $OUT/*/compare/compare.md"

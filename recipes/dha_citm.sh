@@ -40,7 +40,7 @@ args_of() {
 }
 mkdir -p "$OUT"
 STREAM="$OUT/stream"
-step "1. build the CITM stream"
+step "build the CITM stream"
 if [ "$SMOKE" = 1 ]; then
   smoke_sources "$OUT/sources" 64 0 coco cc3m wit goodnews
   SRC=(--streams "$OUT/sources")
@@ -50,14 +50,5 @@ fi
 build_stream "$STREAM" protocol dha-citm "${SRC[@]}" --seed "$SEED" --out "$STREAM"
 INIT=()
 [ -n "$WEIGHTS" ] && INIT=(--pretrained "$WEIGHTS")
-RUNS=()
-for M in $METHODS; do
-  step "2. train $M"
-  # shellcheck disable=SC2046
-  train "$CFG" "$OUT/runs/$M" --stream "$STREAM" $(args_of "$M") ${INIT[@]+"${INIT[@]}"}
-  RUNS+=("$OUT/runs/$M")
-done
-step "3. evaluate and compare (R@mean per direction, FR)"
-# shellcheck disable=SC2046
-compare "$OUT/compare" $(eval_opts) -- "${RUNS[@]}"
+train_and_compare "" "$CFG" "$OUT" "$STREAM" citm ${INIT[@]+"${INIT[@]}"}
 step "done: $OUT/compare/compare.md"

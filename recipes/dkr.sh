@@ -50,15 +50,6 @@ for S in $SETTINGS; do
   mkdir -p "$D"
   step "$S: build the protocol stream"
   build_stream "$STREAM" protocol "dkr-$S" "${SRC[@]}" --seed "$SEED" --out "$STREAM"
-  RUNS=()
-  for M in $METHODS; do
-    step "$S: train $M"
-    # shellcheck disable=SC2046
-    train "$CFG" "$D/runs/$M" --stream "$STREAM" $(args_of "$M" "$S") "${INIT[@]}"
-    RUNS+=("$D/runs/$M")
-  done
-  step "$S: evaluate and compare"
-  # shellcheck disable=SC2046
-  compare "$D/compare" $(eval_opts) -- "${RUNS[@]}"
+  train_and_compare "$S: " "$CFG" "$D" "$STREAM" "$S" "${INIT[@]}"
 done
 step "done: $OUT/*/compare/compare.md"

@@ -42,8 +42,8 @@ args_of() {
     *) echo "error: unknown method '$1' for incclip_cc12m.sh" >&2; exit 2 ;;
   esac
 }
-EVAL=()
-for F in ${ZS_FOLDERS:-}; do EVAL+=(--zeroshot-folder "$F"); done
+EVAL_EXTRA=()
+for F in ${ZS_FOLDERS:-}; do EVAL_EXTRA+=(--zeroshot-folder "$F"); done
 # The zero-shot retrieval benchmarks (test sets of COCO and Flickr30K).
 BENCH="$OUT/benchmarks"
 step "the COCO(5K) / Flickr30K(1K) benchmarks"
@@ -110,15 +110,6 @@ for S in $SETTINGS; do
   esac
   step "$S: attach the COCO / Flickr30K benchmarks"
   with_benchmarks "$D/split" "$STREAM"
-  RUNS=()
-  for M in $METHODS; do
-    step "$S: train $M"
-    # shellcheck disable=SC2046
-    train "$CFG" "$D/runs/$M" --stream "$STREAM" $(args_of "$M") ${OPT[@]+"${OPT[@]}"}
-    RUNS+=("$D/runs/$M")
-  done
-  step "$S: evaluate and compare"
-  # shellcheck disable=SC2046
-  compare "$D/compare" $(eval_opts) ${EVAL[@]+"${EVAL[@]}"} -- "${RUNS[@]}"
+  train_and_compare "$S: " "$CFG" "$D" "$STREAM" "$S" ${OPT[@]+"${OPT[@]}"}
 done
 step "done: $OUT/*/compare/compare.md"

@@ -147,19 +147,26 @@ train() {
   fi
 }
 
-# Evaluate RUNS and write the comparison table (compare.md / .csv) and curves into OUT_DIR
-# (node 0 only). Usage: compare OUT_DIR EVAL_OPTIONS -- RUNS...
-compare() {
-  local dir=$1; shift
-  local opts=()
-  while [ "$1" != "--" ]; do opts+=("$1"); shift; done
-  shift
+# Train every method of METHODS into DIR/runs/METHOD (CONFIG, the stream, the recipe's
+# `args_of METHOD SETTING`, then the EXTRA train options), then evaluate the runs and write the
+# comparison (compare.md / .csv / .json and curves) into DIR/compare, on node 0 only. The smoke
+# mode skips the linear probe (sklearn on every checkpoint); EVAL_EXTRA (an array) adds
+# `cvl eval` options. Usage: train_and_compare LABEL CONFIG DIR STREAM SETTING [EXTRA...]
+train_and_compare() {
+  local label=$1 cfg=$2 dir=$3 stream=$4 setting=$5 m runs=() opts=(--quiet)
+  shift 5
+  for m in $METHODS; do
+    step "${label}train $m"
+    # shellcheck disable=SC2046
+    train "$cfg" "$dir/runs/$m" --stream "$stream" $(args_of "$m" "$setting") "$@"
+    runs+=("$dir/runs/$m")
+  done
+  step "${label}evaluate and compare"
   [ "$NODE_RANK" -ne 0 ] && return
-  "$CVL" eval --compare "$@" "${opts[@]}" --quiet --out "$dir"
+  [ "$SMOKE" = 1 ] && opts+=(--no-probe)
+  "$CVL" eval --compare "${runs[@]}" "${opts[@]}" ${EVAL_EXTRA[@]+"${EVAL_EXTRA[@]}"} \
+    --out "$dir/compare"
 }
-
-# Evaluation options: the smoke mode skips the linear probe (sklearn on every checkpoint).
-eval_opts() { if [ "$SMOKE" = 1 ]; then echo "--no-probe"; fi; }
 
 # Smoke stand-ins for a protocol's sources: one synthetic stream with a task per source
 # (neighbouring tasks share vocabulary), then a one-task stream per source, named after it,

@@ -58,16 +58,7 @@ for S in $SETTINGS; do
       INIT=(--pretrained "$WEIGHTS")
     fi
   fi
-  RUNS=()
-  for M in $METHODS; do
-    step "$S: train $M"
-    # shellcheck disable=SC2046
-    train "$C" "$D/runs/$M" --stream "$STREAM" $(args_of "$M") ${INIT[@]+"${INIT[@]}"}
-    RUNS+=("$D/runs/$M")
-  done
-  step "$S: evaluate and compare"
-  # shellcheck disable=SC2046
-  compare "$D/compare" $(eval_opts) -- "${RUNS[@]}"
+  train_and_compare "$S: " "$C" "$D" "$STREAM" "$S" ${INIT[@]+"${INIT[@]}"}
   if [[ " $METHODS " == *" seqft "* && " $METHODS " == *" modx "* && "$NODE_RANK" -eq 0 ]]; then
     step "$S: rotation analysis (SAM / RAM / ImAV), seqft vs Mod-X"
     "$CVL" analyze rotation --compare "$D/runs/seqft" "$D/runs/modx" --quiet

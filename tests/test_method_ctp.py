@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from torch import nn
+from train_helpers import FAST as TRAIN_FAST
 from train_helpers import assert_same_task_weights, interrupt_then_resume
 
 from cvl.methods.ctp import (
@@ -23,15 +24,7 @@ from cvl.runs import finished_tasks
 from cvl.train.config import resolve
 from cvl.train.loop import Trainer
 
-FAST = dict(
-    epochs=1,
-    batch_size=16,
-    log_with="none",
-    checkpoint_every=0,
-    method="ctp",
-    log_every=1,
-    workers=0,
-)
+FAST = {**TRAIN_FAST, "method": "ctp"}
 
 
 def _train(stream, out, **kw):

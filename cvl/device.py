@@ -107,6 +107,24 @@ def nondeterministic_op(err: BaseException) -> str | None:
     return msg.split(marker, 1)[0].strip().rstrip(",").split("\n")[-1].strip() or "an op"
 
 
+def apply_determinism(flag: bool | None, device: torch.device | str) -> bool:
+    """Resolve `--deterministic/--no-deterministic` (None = the device's default), switch torch
+    accordingly and return the mode in force (commands record it in their outputs)."""
+    on = deterministic_default(device) if flag is None else bool(flag)
+    set_deterministic(on)
+    return on
+
+
+def deterministic_option(f: Callable) -> Callable:
+    """`--deterministic/--no-deterministic` for a model-running command (default per device)."""
+    return click.option(
+        "--deterministic/--no-deterministic",
+        default=None,
+        help="Bit-reproducible kernels (torch deterministic algorithms, fixed cuBLAS workspace, "
+        "no cuDNN benchmarking). Default: on for the CPU (free), off on GPUs (slower steps).",
+    )(f)
+
+
 def device_option(f: Callable) -> Callable:
     """`--device` for a model-running command (see DEVICE_HELP)."""
     return click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)(f)

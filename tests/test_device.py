@@ -69,3 +69,14 @@ def test_set_deterministic_switches_torch_and_names_the_op(monkeypatch):
         dev.set_deterministic(False)
     assert not torch.are_deterministic_algorithms_enabled()
     assert dev.nondeterministic_op(RuntimeError("CUDA out of memory")) is None
+
+
+def test_apply_determinism_resolves_the_default_per_device():
+    try:
+        assert dev.apply_determinism(None, "cpu") is True
+        assert torch.are_deterministic_algorithms_enabled()
+        assert dev.apply_determinism(None, "cuda:0") is False
+        assert not torch.are_deterministic_algorithms_enabled()
+        assert dev.apply_determinism(True, "cuda:0") is True
+    finally:
+        dev.set_deterministic(False)

@@ -62,6 +62,9 @@ for _mod, _attr in SUBCOMMANDS:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script; returns the exit code."""
     debug = os.environ.get("CVL_DEBUG") == "1"
+    from cvl.lock import set_command
+
+    set_command(["cvl", *(sys.argv[1:] if argv is None else argv)])  # named in folder locks
     try:
         rv = cli.main(args=argv, prog_name="cvl", standalone_mode=False)
         return rv if isinstance(rv, int) else 0
@@ -83,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
         return 130
+    finally:
+        from cvl.lock import release_all
+
+        release_all()  # the folder locks a command took end with it
 
 
 if __name__ == "__main__":

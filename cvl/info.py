@@ -56,8 +56,10 @@ def describe_run(path: Path) -> list[str]:
     ]
     if cfg.get("buffer"):
         lines.append(f"buffer {cfg['buffer']} size {cfg.get('buffer_size')}")
+    from cvl.runs import finished_tasks
+
     tasks_dir = path / "tasks"
-    done = sorted(p.name for p in tasks_dir.iterdir() if p.is_dir()) if tasks_dir.is_dir() else []
+    done = [c.path.name for c in finished_tasks(path)]  # never a killed writer's temp folder
     order = run.get("stream", {}).get("task_order") or []
     lines.append(f"finished tasks: {len(done)}/{len(order) or '?'}  {' '.join(done)}")
     for d in done:  # data and numeric faults the run survived (task.json)
@@ -70,7 +72,14 @@ def describe_run(path: Path) -> list[str]:
         if faults:
             lines.append(f"  {d}: " + ", ".join(f"{k} {v}" for k, v in sorted(faults.items())))
     if (path / "last").is_dir():
-        lines.append("a mid-task checkpoint exists in last/ (rerun `cvl train` to resume)")
+        pos_file = path / "last" / "position.json"
+        pos = read_json(pos_file) if pos_file.is_file() else {}
+        where = (
+            f"task {pos['task_index']} ({pos.get('task')}) stopped at step {pos['step']}: "
+            if "step" in pos and "task_index" in pos
+            else ""
+        )
+        lines.append(f"{where}a mid-task checkpoint exists in last/ (rerun `cvl train` to resume)")
     if (path / "eval" / "metrics.json").is_file():
         lines.append(f"evaluated: {path / 'eval' / 'metrics.json'}")
     return lines

@@ -214,10 +214,17 @@ def _drop(key: str) -> None:
             break
 
 
-def release_all() -> None:
-    """Release every lock this process holds (the CLI calls it when a command ends)."""
+def held_locks() -> set[str]:
+    """The lock files this process holds now."""
+    return set(_HELD)
+
+
+def release_all(keep: set[str] | frozenset[str] = frozenset()) -> None:
+    """Release the locks this process holds but those in `keep` (the CLI releases, when a
+    command ends, every lock the command took)."""
     for key in list(_HELD):
-        _drop(key)
+        if key not in keep:
+            _drop(key)
 
 
 def lock_on_main(folder: str | os.PathLike, accelerator: Any = None) -> FolderLock | None:

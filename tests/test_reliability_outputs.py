@@ -157,6 +157,45 @@ def test_second_train_on_a_run_folder_is_refused_naming_the_holder(tiny, tmp_pat
     assert not (tmp_path / ".r.lock").exists()  # released (and removed) at the end
 
 
+def test_a_killed_holders_surviving_fork_does_not_keep_the_lock(tmp_path):
+    """A worker forked by the holder (a DataLoader worker) closes its copy of the lock, so a
+    SIGKILLed command's folder is free at once even while such a worker lives on."""
+    from cvl.errors import CvlError
+    from cvl.lock import FolderLock
+
+    folder = tmp_path / "r"
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the holder
+        try:
+            lock = FolderLock(folder).acquire()
+            worker = os.fork()
+            if worker == 0:
+                time.sleep(600)
+                os._exit(0)
+            os.write(w, str(worker).encode() + b"\n")
+            time.sleep(600)
+            assert lock.held
+        finally:
+            os._exit(0)
+    os.close(w)
+    worker = int(os.read(r, 64).decode())
+    os.close(r)
+    try:
+        with pytest.raises(CvlError, match=f"in use by pid {pid}"):
+            FolderLock(folder).acquire()
+        _kill(pid)
+        with FolderLock(folder) as lock:  # the worker is still alive
+            os.kill(worker, 0)
+            assert lock.held
+            with FolderLock(folder):  # re-entrant within a process
+                pass
+            assert lock.path.is_file()
+        assert not lock.path.exists()
+    finally:
+        os.kill(worker, signal.SIGKILL)  # a grandchild: init reaps it
+
+
 def test_eval_and_stream_builds_are_locked_too(run, tmp_path, capsys):
     s = tmp_path / "s"
     pid = _hold_lock(s, ["cvl", "build-stream", "synthetic", "--out", "s"])

@@ -71,9 +71,17 @@ def describe_run(path: Path) -> list[str]:
         )
         if faults:
             lines.append(f"  {d}: " + ", ".join(f"{k} {v}" for k, v in sorted(faults.items())))
+    for ch in run.get("changes") or []:  # config changes made with --force
+        fields = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in ch.get("fields", {}).items())
+        lines.append(
+            f"changed with --force from task {ch.get('task_index')} ({ch.get('task')}), step "
+            f"{ch.get('step')}: {fields or 'stream'}"
+        )
     if (path / "last").is_dir():
-        pos_file = path / "last" / "position.json"
-        pos = read_json(pos_file) if pos_file.is_file() else {}
+        try:
+            pos = read_json(path / "last" / "position.json")
+        except CvlError:  # written last: a checkpoint killed before it has none
+            pos = {}
         where = (
             f"task {pos['task_index']} ({pos.get('task')}) stopped at step {pos['step']}: "
             if "step" in pos and "task_index" in pos

@@ -72,6 +72,11 @@ def test_force_with_a_new_lr_applies_it_from_the_resumed_step(tiny, tmp_path, mo
     (ch,) = run["changes"]
     assert (ch["task_index"], ch["task"], ch["step"]) == (1, "t1", 2)
     assert ch["fields"] == {"lr": [5e-4, 1e-3]}
+    capsys.readouterr()
+    assert main(["info", str(out)]) == 0
+    assert "changed with --force from task 1 (t1), step 2: lr 0.0005 -> 0.001" in (
+        capsys.readouterr().out
+    )
 
 
 def test_force_with_a_change_last_cannot_carry_is_refused_mid_task(

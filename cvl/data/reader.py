@@ -18,7 +18,6 @@ A missing KEY.json is harmless (the key is the id). 16-bit greyscale images are 
 
 from __future__ import annotations
 
-import io
 import json
 import multiprocessing as mp
 import os
@@ -35,10 +34,10 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
+from cvl.data.images import MAX_PIXELS, open_image  # noqa: F401 (MAX_PIXELS: re-exported)
 from cvl.errors import CvlError
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
-MAX_PIXELS = 8192 * 8192  # larger image headers are refused before decoding (memory bound)
 
 
 @dataclass(frozen=True)
@@ -199,9 +198,7 @@ class PairDataset(Dataset):
     def read_raw(self, i: int) -> tuple[Image.Image, str, dict[str, Any]]:
         """Decode sample i: PIL image (RGB), caption, metadata. Raises on corrupt data."""
         e = self.entries[i]
-        img = Image.open(io.BytesIO(_FILES.read(e.shard, e.image)))  # header only
-        if img.width * img.height > MAX_PIXELS:
-            raise ValueError(f"image of {img.width}x{img.height} pixels exceeds MAX_PIXELS")
+        img = open_image(_FILES.read(e.shard, e.image))  # header only; MAX_PIXELS checked
         img.load()
         if img.mode in ("I;16", "I;16B", "I;16L", "I;16N"):  # 16-bit grey -> 8-bit
             img = img.point(lambda v: v * (1 / 256)).convert("L")

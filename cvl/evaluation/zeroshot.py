@@ -163,10 +163,10 @@ class _FolderDataset(torch.utils.data.Dataset):
         return len(self.paths)
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        from PIL import Image
+        from cvl.data.images import open_image
 
         try:
-            with Image.open(self.paths[i]) as im:
+            with open_image(self.paths[i]) as im:  # MAX_PIXELS checked from the header
                 return self.transform(im.convert("RGB"))
         except Exception as e:  # a corrupt file is a user problem worth naming
             raise CvlError(f"{self.paths[i]}: cannot read image ({e})") from None

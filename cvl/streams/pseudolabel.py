@@ -35,7 +35,14 @@ from typing import Any
 import click
 
 from cvl.errors import CvlError
-from cvl.io import atomic_write_bytes, read_json, write_json
+from cvl.io import (
+    atomic_write_bytes,
+    check_overwrite,
+    output_kind,
+    read_json,
+    write_json,
+    write_marker,
+)
 
 LABELS_DIR = "labels"
 LABELS_SCHEMA = "cvl.labels/1"
@@ -158,10 +165,7 @@ class _Images:
         return len(self.entries)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        import io
-
-        from PIL import Image
-
+        from cvl.data.images import open_image
         from cvl.data.reader import _FILES
 
         e = self.entries[i]
@@ -172,7 +176,7 @@ class _Images:
         except (ValueError, UnicodeDecodeError):
             pass
         try:
-            img = Image.open(io.BytesIO(_FILES.read(e.shard, e.image)))
+            img = open_image(_FILES.read(e.shard, e.image))  # MAX_PIXELS checked first
             img.load()
             x = self.processor(images=img.convert("RGB"), return_tensors="pt")["pixel_values"][0]
             err = None
@@ -214,7 +218,24 @@ def _barrier(acc: Any) -> None:
 
 
 def label_stream(stream: str | os.PathLike, opts: LabelOptions, accelerator: Any = None) -> dict:
-    """Label every image of `stream` (resuming earlier work); returns labels.json's content."""
+    """Label every image of `stream` (resuming earlier work); returns labels.json's content.
+
+    The labels folder is locked for the run (rank 0 holds it, `cvl.lock`): two labelling
+    processes never write the same folder."""
+    from cvl.lock import lock_on_main
+
+    name = opts.name or default_name(opts.model)
+    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*", name):
+        raise CvlError(f"--name {name!r}: use letters, digits, '_', '-' and '.' (a folder name)")
+    lock = lock_on_main(labels_folder(stream, name), accelerator)
+    try:
+        return _label_stream(stream, opts, accelerator)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _label_stream(stream: str | os.PathLike, opts: LabelOptions, accelerator: Any) -> dict:
     import torch
     from tqdm import tqdm
 
@@ -237,7 +258,9 @@ def label_stream(stream: str | os.PathLike, opts: LabelOptions, accelerator: Any
                 "pass --name or --overwrite"
             )
         if info.get("stream") != manifest.fingerprint:
-            raise CvlError(f"{folder}: labels of an earlier version of the stream; pass --overwrite")
+            raise CvlError(
+                f"{folder}: labels of an earlier version of the stream; pass --overwrite"
+            )
         return {**info, "already_complete": True}
     model, processor, classes = load_classifier(opts.model)
     device = acc.device if acc is not None else torch.device("cpu")
@@ -247,6 +270,7 @@ def label_stream(stream: str | os.PathLike, opts: LabelOptions, accelerator: Any
     fp = _fingerprint(manifest, opts, len(classes), len(units))
     if main:
         if opts.overwrite and folder.exists():
+            check_overwrite(folder, "labels")  # only labels cvl wrote are discarded
             shutil.rmtree(folder)
         prog = parts_dir / PROGRESS_FILE
         if prog.is_file() and read_json(prog) != fp:
@@ -255,6 +279,8 @@ def label_stream(stream: str | os.PathLike, opts: LabelOptions, accelerator: Any
                 f"or --unit-size; see {prog}); rerun with those or pass --overwrite"
             )
         write_json(prog, fp)
+        if output_kind(folder) is None:
+            write_marker(folder, "labels")
     _barrier(acc)
     todo = [u for u in units if not (parts_dir / u.file).is_file()]  # every rank lists ...
     _barrier(acc)  # ... before any rank writes a new unit

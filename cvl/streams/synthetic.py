@@ -440,7 +440,7 @@ def build_synthetic(
         if spec.n_overlap()
         else "disjoint shapes and style per task; own background tint"
     )
-    with atomic_dir(out, overwrite=overwrite) as tmp:
+    with atomic_dir(out, overwrite=overwrite, kind="stream") as tmp:
         bar = tqdm(total=total, desc="synthetic", unit="img", disable=not progress, leave=False)
         tasks, eval_sets = _write_tasks(tmp, spec, defs, report, bar)
         if spec.pretrain:
@@ -576,4 +576,4 @@ def synthetic_cmd(
     """
 
     m = build_synthetic(out, SynthSpec(**kw), name=name, overwrite=overwrite, progress=not quiet)
-    echo_summary(m, out)
+    echo_summary(m, out, quiet)

@@ -186,7 +186,8 @@ _OPTS = [
     default=0,
     show_default=True,
     help="Optimizer steps with a NaN/Inf loss to skip (no update, counted in the log as "
-    "nonfinite_skipped) before the run stops; 0 = stop at the first one.",
+    "nonfinite_skipped) before the run stops; 0 = stop at the first one. A task stops anyway "
+    "once more than 10% of its steps (and more than one) were skipped.",
 )
 @click.option(
     "--grad-checkpointing",

@@ -169,11 +169,22 @@ def parse_method_args(items: tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
-def config_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """Lines 'key: old -> new' for result-changing keys that differ.
+# Result-changing keys a `--force` resume may change in the middle of a task: the optimizer's
+# and the schedule's settings, applied from the resumed step on (the optimizer's moments and
+# the step count carry on). Any other change needs the task to start again (delete last/).
+MIDTASK_KEYS = {"lr", "min_lr", "warmup", "weight_decay", "beta1", "beta2", "eps", "grad_clip"}
+
+
+def config_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """{key: (old, new)} for result-changing keys that differ.
 
     Keys missing from `old` (a run written before the option existed) count as their default.
     """
     old = {**TrainConfig().to_json(), **old}
     keys = sorted((set(old) | set(new)) - NON_RESULT_KEYS)
-    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
+    return {k: (old.get(k), new.get(k)) for k in keys if old.get(k) != new.get(k)}
+
+
+def config_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Lines 'key: old -> new' for result-changing keys that differ (see `config_changes`)."""
+    return [f"{k}: {a!r} -> {b!r}" for k, (a, b) in config_changes(old, new).items()]

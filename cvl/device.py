@@ -79,7 +79,13 @@ def check_processes_per_gpu(spec: str = "auto") -> None:
     s = (spec or "auto").strip().lower()
     if not distributed_launch() or s == "cpu" or not _cuda():
         return
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    # processes on this node: torchrun / accelerate say it; other launchers give the local rank
+    if "LOCAL_WORLD_SIZE" in os.environ:
+        local = int(os.environ["LOCAL_WORLD_SIZE"])
+    elif "LOCAL_RANK" in os.environ:
+        local = int(os.environ["LOCAL_RANK"]) + 1
+    else:
+        return
     n = torch.cuda.device_count()
     if local > n:
         raise CvlError(

@@ -146,3 +146,19 @@ def test_step_seeding_covers_the_cuda_generators():
     assert torch.equal(torch.rand(8, device=cuda), a)  # ...and the seed brings it back
     seed_torch(6, cuda)
     assert not torch.equal(torch.rand(8, device=cuda), a)
+
+
+def test_gpu_count_check_uses_this_nodes_processes(monkeypatch):
+    """The check counts this node's processes (LOCAL_WORLD_SIZE, else the local rank), never
+    the whole world: 2 nodes × 1 process on 1-GPU nodes are fine."""
+    _fake_cuda(monkeypatch, 1)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    dev.check_processes_per_gpu("auto")  # rank 0 of its node: one GPU is enough
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(CvlError, match="launches 2 processes but has 1 GPU"):
+        dev.check_processes_per_gpu("auto")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    dev.check_processes_per_gpu("auto")

@@ -6,6 +6,8 @@ from typing import Any
 
 import click
 
+from cvl.device import deterministic_option, device_option
+
 # CLI option name -> TrainConfig field; only options given explicitly override the YAML.
 _OPTS = [
     "stream",
@@ -38,6 +40,8 @@ _OPTS = [
     "skip_nonfinite",
     "grad_checkpointing",
     "compile",
+    "device",
+    "deterministic",
 ]
 
 
@@ -200,6 +204,8 @@ _OPTS = [
     is_flag=True,
     help="torch.compile the model's forward (slow first steps; pays off on long GPU runs).",
 )
+@device_option
+@deterministic_option
 @click.option(
     "--config",
     "config_path",

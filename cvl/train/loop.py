@@ -4,8 +4,10 @@ Data: each task's samples (+ the replay buffer's) are a map-style dataset; every
 global batches are a function of (seed, task, epoch) only, and rank r takes slice r of each
 global batch, so 2 processes × batch B compute exactly what 1 process × batch 2B does (the
 contrastive matrices are built over the gathered global batch, gradients are averaged across
-ranks). Each optimizer step re-seeds torch's RNG and `ctx.generator` from (seed, task, epoch,
-step), so a resumed run replays the same randomness without saving RNG states.
+ranks). Each optimizer step re-seeds torch's RNGs (CPU and, on a GPU, every CUDA generator)
+and `ctx.generator` from (seed, task, epoch, step, rank), so a resumed run replays the same
+randomness without saving RNG states. With `--deterministic` (the CPU's default; `cvl.device`)
+the kernels are deterministic too, so a resumed run ends bit-identical to an uninterrupted one.
 
 Per step, nothing leaves the device: loss terms and metrics are summed there and reduced
 across ranks (one all_reduce, one host sync) only when a log line is written, every
@@ -41,6 +43,7 @@ from cvl.data.reader import (
     sample_seed,
 )
 from cvl.data.transforms import image_transform
+from cvl.device import nondeterministic_ops_stop
 from cvl.dist import average_gradients, broadcast_module, world_size
 from cvl.errors import CvlError
 from cvl.io import atomic_dir, read_json, recover_dir, write_json
@@ -106,7 +109,8 @@ def _manifest_sha(m: Manifest) -> str | None:
 
 
 def seed_torch(seed: int, device: torch.device) -> None:
-    """torch.manual_seed, without its lazy accelerator seeding when training on the CPU.
+    """torch.manual_seed (the CPU generator and every CUDA generator), without its lazy
+    accelerator seeding when training on the CPU.
 
     On a CPU-only run `torch.manual_seed` queues a deferred seeding call (with a captured
     traceback) for each accelerator type every time: milliseconds per step and a list that
@@ -185,18 +189,20 @@ class Trainer:
     """Runs (or resumes) `cfg` into `cfg.out`; call `run()`."""
 
     def __init__(self, cfg: TrainConfig, force: bool = False, progress: bool = True) -> None:
-        from accelerate import Accelerator
+        from cvl.device import accelerator, apply_determinism, launch_device
 
         self.cfg = cfg
         self.out = Path(cfg.out)
         self.progress = progress
         log_with = self._trackers(cfg.log_with)
+        # before the model reaches a GPU: the cuBLAS workspace is fixed at its first call
+        self.deterministic = apply_determinism(cfg.deterministic, launch_device(cfg.device))
         try:
-            self.acc = Accelerator(
+            self.acc = accelerator(
+                cfg.device,
                 mixed_precision=cfg.precision,
                 log_with=log_with,
                 project_dir=str(self.out / "logs"),
-                cpu=not torch.cuda.is_available(),  # CPU multi-process (gloo) needs cpu=True
             )
         except (ValueError, RuntimeError) as e:
             raise CvlError(f"accelerate: {e}") from None
@@ -270,7 +276,31 @@ class Trainer:
                 "python": platform.python_version(),
             },
             "processes": self.acc.num_processes,
+            "runtime": self._runtime(),
+            "earlier_runtimes": getattr(self, "_earlier_runtimes", []),
         }
+
+    def _runtime(self) -> dict[str, Any]:
+        """Where and how reproducibly this session trains (main process's device)."""
+        return {
+            "device": str(self.acc.device),
+            "deterministic": self.deterministic,
+            "deterministic_source": "default" if self.cfg.deterministic is None else "option",
+        }
+
+    def _note_runtime_change(self, old: dict[str, Any]) -> None:
+        """Keep the earlier sessions' runtimes that differ; say when determinism changes."""
+        self._earlier_runtimes = list(old.get("earlier_runtimes") or [])
+        before, now = old.get("runtime"), self._runtime()
+        if not before or before == now:
+            return
+        self._earlier_runtimes.append(before)
+        if before.get("deterministic") != now["deterministic"] and self.acc.is_main_process:
+            flag = "--deterministic" if now["deterministic"] else "--no-deterministic"
+            self.acc.print(
+                f"note: {self.out} continues with {flag} (it trained with the other mode so "
+                "far); run.json records both: an exact rerun needs the same mode throughout"
+            )
 
     def _prepare_run_dir(self, force: bool) -> None:
         from cvl.models import build_model
@@ -305,6 +335,7 @@ class Trainer:
                     "use another --out, or --force to continue with the new config"
                 )
             history = self._forced_history(old, diff)
+            self._note_runtime_change(old)
             self.resumed = True
         else:
             if self.out.exists() and (not self.out.is_dir() or any(self.out.iterdir())):
@@ -498,10 +529,11 @@ class Trainer:
         single = getattr(self.method, "single_task", False)
         indices = [len(self.order) - 1] if single else list(range(len(self.order)))
         start, pos = self._resume_point(indices, ctx)
-        for ti in indices:
-            if ti < start:
-                continue
-            self._train_task(ti, ctx, pos if ti == start else None)
+        with nondeterministic_ops_stop(acc.device):  # deterministic mode: name the op, one line
+            for ti in indices:
+                if ti < start:
+                    continue
+                self._train_task(ti, ctx, pos if ti == start else None)
         acc.wait_for_everyone()
         if acc.is_main_process:
             acc.end_training()

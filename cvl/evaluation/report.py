@@ -436,6 +436,24 @@ COMPARE_CONTINUAL = [  # (column, metric, continual field, signed)
     ("LP-top1", "LP-top1", "average_final", False),
 ]
 BENCH_METRICS = ["TR@1", "IR@1", "Rm"]
+# what each run cost to train (cvl.train.cost; run.json / task.json "cost"): (column, key, scale)
+COST_COLS = [
+    ("TFLOPs", "total_flops", 1e12),
+    ("peak mem (GB)", "peak_memory_bytes", 1e9),
+    ("device-hours", "device_hours", 1.0),
+]
+
+
+def run_cost(m: dict[str, Any]) -> dict[str, Any] | None:
+    """The training cost of the run behind metrics `m` (totals over its finished tasks), or
+    None when the run folder is gone or its tasks were trained before cost was recorded."""
+    run = Path(str(m.get("run") or ""))
+    if not (run / "run.json").is_file():
+        return None
+    from cvl.train.cost import summarize_run
+
+    c = summarize_run(run)
+    return c if c["tasks"] and not c["tasks_without_cost"] else None
 
 
 def benchmark_names(ms: Sequence[dict[str, Any]]) -> list[str]:
@@ -458,6 +476,7 @@ def compare_records(ms: Sequence[dict[str, Any]]) -> tuple[list[str], list[dict[
     (Mod-X / DKR / IncCLIP: COCO 5K, Flickr30K 1K, ...)."""
     bench = benchmark_names(ms)
     headers = ["run", "method", *TABLE1, *(c for c, *_ in COMPARE_CONTINUAL)]
+    headers += [c for c, *_ in COST_COLS]
     headers += [f"{b} {k}" for b in bench for k in BENCH_METRICS]
     recs = []
     for m in ms:
@@ -471,6 +490,9 @@ def compare_records(ms: Sequence[dict[str, Any]]) -> tuple[list[str], list[dict[
             for k in BENCH_METRICS:
                 vals = (bm.get("metrics") or {}).get(k) or [None]
                 rec[f"{b} {k}"] = vals[-1]  # the last row: the final checkpoint
+        cost = run_cost(m)
+        for col, key, scale in COST_COLS:
+            rec[col] = cost[key] / scale if cost else None
         recs.append(rec)
     return headers, recs
 
@@ -479,9 +501,16 @@ def compare_table(ms: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[st
     """`compare_records` formatted: one row of strings per run."""
     headers, recs = compare_records(ms)
     signed = {c for c, *_, s in COMPARE_CONTINUAL if s}
-    rows = [
-        [r[h] if h in ("run", "method") else fmt(r[h], h in signed) for h in headers] for r in recs
-    ]
+    costs = {c for c, *_ in COST_COLS}
+
+    def cell(h: str, v: Any) -> str:
+        if h in ("run", "method"):
+            return v
+        if h in costs:
+            return "–" if v is None else (f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}")
+        return fmt(v, h in signed)
+
+    rows = [[cell(h, r[h]) for h in headers] for r in recs]
     return headers, rows
 
 
@@ -497,9 +526,9 @@ def render_compare(ms: Sequence[dict[str, Any]]) -> str:
         "Runs side by side: CTP Table-1 metrics of the final model on the merged test set of all "
         "tasks; avg/BWT/forgetting of Rm and DHA FR from the per-task R matrices"
         + more
-        + " (percent)\n\n"
-        + md_table(headers, rows)
-        + "\n"
+        + " (percent); what each run cost to train: total TFLOPs (training steps + extras such as "
+        "Fisher passes and buffer selection, summed over processes), peak memory per process, "
+        "device-hours (wall time × processes)\n\n" + md_table(headers, rows) + "\n"
     )
 
 
@@ -536,11 +565,40 @@ def plot_compare(ms: Sequence[dict[str, Any]], key: str, path: Path) -> Path | N
     return _save_lines(fig, ax, path)
 
 
+def plot_compute(ms: Sequence[dict[str, Any]], path: Path) -> Path | None:
+    """Final average Rm (over tasks, the last R-matrix row) against training compute: one
+    point per run, labelled."""
+    pts = []
+    for m in ms:
+        cost = run_cost(m)
+        avg = ((m.get("continual") or {}).get("Rm") or {}).get("average_final")
+        if cost and avg is not None and cost["total_flops"] > 0:
+            pts.append((m["run_name"], cost["total_flops"] / 1e12, avg))
+    if not pts:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for name, x, y in pts:
+        ax.scatter([x], [y], s=18)
+        ax.annotate(name, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    xs = [x for _, x, _ in pts]
+    if max(xs) / min(xs) > 20:
+        ax.set_xscale("log")
+    ax.set_xlabel("training compute (TFLOPs, steps + extras)")
+    ax.set_ylabel("final average Rm (%)")
+    ax.set_title("Final average Rm against compute")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def write_compare(
     ms: Sequence[dict[str, Any]], out: str | os.PathLike, plots: bool = True
 ) -> list[Path]:
     """compare.md, compare.csv, compare.json (raw values, null when not measured) and
-    (plots) compare_Rm.png / compare_TR1.png into `out`."""
+    (plots) compare_Rm.png / compare_TR1.png and compare_Rm_vs_compute.png into `out`."""
     out = Path(out)
     headers, rows = compare_table(ms)
     files = [
@@ -555,4 +613,6 @@ def write_compare(
             p = plot_compare(ms, key, out / f"compare_{safe_name(key)}.png")
             if p:
                 files.append(p)
+    if plots and (p := plot_compute(ms, out / "compare_Rm_vs_compute.png")):
+        files.append(p)
     return files

@@ -39,6 +39,7 @@ from cvl.methods.base import TaskContext, base_loss
 from cvl.methods.ewc import EWC, task_fisher
 from cvl.methods.registry import register
 from cvl.methods.regularizers import task_batches, trainable
+from cvl.train.cost import extra
 
 
 def _opt_state_in(sd: dict) -> dict:
@@ -132,10 +133,11 @@ class AFEC(EWC):
         self.exp_epoch = ctx.epoch
 
     def before_step(self, ctx: TaskContext) -> None:
-        if self.expanded is not None:
+        if self.expanded is not None and not ctx.probing:  # a probe measures the step alone
             self._ensure_optimizer(ctx)
             if self.exp_epoch != ctx.epoch:
-                self._expanded_epoch(ctx)
+                with extra(ctx, "afec_expanded"):  # a per-epoch extra (cvl.train.cost)
+                    self._expanded_epoch(ctx)
         super().before_step(ctx)  # EWC's anchor, then the expanded one below
         self._value_e = None
         if self.fisher_e is not None:

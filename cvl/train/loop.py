@@ -51,8 +51,10 @@ from cvl.methods.base import Method, TaskContext, frozen_copy
 from cvl.methods.registry import get_method
 from cvl.runs import MODEL_FILE, RUN_JSON, RUN_SCHEMA, task_dir
 from cvl.streams.manifest import Manifest, load_manifest
+from cvl.train.budget import measure_step, parse_budget, plan_task
 from cvl.train.checkpoint import load_state, load_torch, save_state, save_torch
 from cvl.train.config import TrainConfig, config_diff
+from cvl.train.cost import CostTracker, summarize_run
 from cvl.train.selection import BestKeeper, selection_set, val_score
 
 LAST = "last"
@@ -215,6 +217,8 @@ class Trainer:
                 "--grad-checkpointing and --grad-accum (README: Scaling up)"
             )
         self.manifest: Manifest = load_manifest(cfg.stream)
+        self.cost = CostTracker(self.acc.device)  # FLOPs, memory, time (cvl.train.cost)
+        self.budget = parse_budget(cfg.budget)
         self.method_cls = get_method(cfg.method)
         self.method: Method = self.method_cls(cfg.method_args)
         if self.method.needs_buffer and not cfg.buffer:
@@ -276,6 +280,7 @@ class Trainer:
                 "python": platform.python_version(),
             },
             "processes": self.acc.num_processes,
+            "cost": summarize_run(self.out),
             "runtime": self._runtime(),
             "earlier_runtimes": getattr(self, "_earlier_runtimes", []),
         }
@@ -504,6 +509,7 @@ class Trainer:
         try:
             self._run()
         finally:
+            self.cost.abort()  # an exception inside the counted step: leave its dispatch mode
             self._release_lock()
 
     def _run(self) -> None:
@@ -528,6 +534,7 @@ class Trainer:
         self.method.setup(ctx)
         single = getattr(self.method, "single_task", False)
         indices = [len(self.order) - 1] if single else list(range(len(self.order)))
+        self.indices = indices
         start, pos = self._resume_point(indices, ctx)
         with nondeterministic_ops_stop(acc.device):  # deterministic mode: name the op, one line
             for ti in indices:
@@ -574,6 +581,27 @@ class Trainer:
         if ctx.buffer is not None:
             st["buffer"] = ctx.buffer.state_dict()
         return st
+
+    def _micro(self, batch: dict, ctx: TaskContext, forward: Any) -> tuple[dict, torch.Tensor]:
+        """One micro-batch's forward and loss terms (batch moved to the device); (terms, sum)."""
+        acc = self.acc
+        batch["image"] = batch["image"].to(acc.device, non_blocking=True)
+        batch["text"] = batch["text"].to(acc.device, non_blocking=True)
+        with acc.autocast():
+            out = forward(batch["image"], batch["text"])
+            terms = self.method.loss(batch, out, ctx)
+        if not terms:
+            raise CvlError(f"method '{self.cfg.method}' returned no loss terms")
+        return terms, sum(terms.values())
+
+    def _update(self, ctx: TaskContext, opt: Any, params: list, clip: Any) -> Any:
+        """Gradients averaged over ranks, the method's `after_backward`, clipping (`clip`:
+        the accelerator's, or torch's for a probe) and the optimizer step; the grad norm."""
+        average_gradients(params)
+        self.method.after_backward(ctx)
+        gnorm = clip(params, self.cfg.grad_clip) if self.cfg.grad_clip > 0 else None
+        opt.step()
+        return gnorm
 
     def _params(self) -> list[torch.nn.Parameter]:
         ps = [p for p in self.model.parameters() if p.requires_grad]
@@ -628,10 +656,13 @@ class Trainer:
         ctx.epoch = ctx.step = 0
         self._log_path = self.out / "logs" / f"{ti:02d}-{name}.jsonl"
         self._keeper: BestKeeper | None = None
+        self.cost.begin_task(pos.get("cost") if pos else None)
+        self._budget_rec: dict | None = None
         if not self.method.trains:
             self._finish_task(ti, ctx, [])
             return
-        self.method.before_task(ctx)
+        with self.cost.extra("before_task", skip=ctx.resuming):  # counted before a resume
+            self.method.before_task(ctx)
         sel = selection_set(self.manifest, name, cfg.select, self.method)
         self._keeper = BestKeeper() if sel else None
         wants = cfg.select == "auto" and getattr(self.method, "selects_best_val", False)
@@ -652,6 +683,12 @@ class Trainer:
         if cfg.max_steps_per_task:
             total = min(total, cfg.max_steps_per_task)
         ctx.steps_in_task = total
+        if self.budget is not None:  # the steps the task's budget buys (cvl.train.budget)
+            total, self._budget_rec = plan_task(self, ctx, ds, gb, total, pos)
+            ctx.steps_in_task = total
+        elif cfg.compile and self.cost.enabled and not self.cost.has_step:
+            measure_step(self, ctx, ds, gb)  # compiled graphs hide their ops: count eagerly
+        count_step = self.cost.enabled and not self.cost.has_step
         opt, sched = self._optimizer(total)
         epoch0, batch0 = 0, 0
         if pos is not None:
@@ -709,6 +746,8 @@ class Trainer:
             for bi in range(start, usable):
                 batch = next(batches)
                 if micro == 0:
+                    if count_step:
+                        self.cost.start_step(f"step {ctx.step + 1} of the task")
                     seed_torch(
                         sample_seed(cfg.seed, ti, epoch, ctx.step, acc.process_index), acc.device
                     )
@@ -716,14 +755,7 @@ class Trainer:
                         sample_seed(cfg.seed, ti, epoch, ctx.step)
                     )
                     self.method.before_step(ctx)
-                batch["image"] = batch["image"].to(acc.device, non_blocking=True)
-                batch["text"] = batch["text"].to(acc.device, non_blocking=True)
-                with acc.autocast():
-                    out = self._forward(batch["image"], batch["text"])
-                    terms = self.method.loss(batch, out, ctx)
-                if not terms:
-                    raise CvlError(f"method '{cfg.method}' returned no loss terms")
-                loss = sum(terms.values())
+                terms, loss = self._micro(batch, ctx, self._forward)
                 if self._nonfinite(loss, terms, batch, ctx):
                     skip_step = True  # no backward; the whole optimizer step is skipped
                 else:
@@ -738,11 +770,7 @@ class Trainer:
                 gnorm = None
                 lr = opt.param_groups[0]["lr"]
                 if not skip_step:
-                    average_gradients(params)
-                    self.method.after_backward(ctx)
-                    if cfg.grad_clip > 0:
-                        gnorm = acc.clip_grad_norm_(params, cfg.grad_clip)
-                    opt.step()
+                    gnorm = self._update(ctx, opt, params, acc.clip_grad_norm_)
                 sched.step()
                 opt.zero_grad(set_to_none=True)
                 ctx.step += 1
@@ -754,6 +782,9 @@ class Trainer:
                 else:
                     self.method.after_step(ctx)
                     window.add_step(gnorm)
+                if count_step:
+                    self.cost.stop_step()
+                    count_step = False
                 ckpt = bool(cfg.checkpoint_every) and ctx.step % cfg.checkpoint_every == 0
                 if ctx.step % cfg.log_every == 0 or ctx.step >= total or ckpt:
                     self._flush_log(window, ctx, epoch, lr, bar)
@@ -771,9 +802,11 @@ class Trainer:
             self.model.load_state_dict(self._keeper.weights)  # the task ends with the best
             k = self._keeper
             self.acc.print(f"task {name}: keeping epoch {k.epoch + 1} (val Rm {k.score:.2f})")
-        self.method.after_task(ctx)
+        with self.cost.extra("after_task"):
+            self.method.after_task(ctx)
         if ctx.buffer is not None:
-            ctx.buffer.update(name, ctx.task_entries, ctx)
+            with self.cost.extra("buffer_update"):
+                ctx.buffer.update(name, ctx.task_entries, ctx)
         self._finish_task(ti, ctx, [])
 
     def _nonfinite(
@@ -910,7 +943,8 @@ class Trainer:
 
     def _validate(self, set_name: str, ctx: TaskContext, epoch: int) -> None:
         """Score the model on the task's validation pairs; the keeper keeps the best weights."""
-        score = val_score(self.model, self.manifest, set_name, ctx.task_name, self.acc)
+        with self.cost.extra("validation"):
+            score = val_score(self.model, self.manifest, set_name, ctx.task_name, self.acc)
         self._keeper.offer(self.model, score, epoch, ctx.step)
 
     def _restore_keeper(self, last: Path, pos: dict) -> None:
@@ -956,6 +990,7 @@ class Trainer:
 
         self._check_weights(ctx)
         state = self._method_state(ctx)  # collective-free; every rank computes it
+        cost = self.cost.state()  # collective: counts summed over ranks
         if self.acc.is_main_process:
             with atomic_dir(self.out / LAST, overwrite=True) as tmp:
                 save_weights(self.model, tmp / MODEL_FILE)
@@ -963,6 +998,9 @@ class Trainer:
                 save_torch(tmp / "scheduler.pt", sched.state_dict())
                 save_state(tmp, METHOD_STATE, state)
                 pos = {"task_index": ctx.task_index, "task": ctx.task_name, "step": ctx.step}
+                pos["cost"] = cost
+                if self._budget_rec is not None:
+                    pos["budget"] = self._budget_rec
                 keeper = getattr(self, "_keeper", None)
                 if keeper is not None:
                     pos["best"] = keeper.info()
@@ -988,6 +1026,9 @@ class Trainer:
 
         self._check_weights(ctx)
         state = self._method_state(ctx)
+        gb = self.cfg.batch_size * self.acc.num_processes * self.cfg.grad_accum
+        cost = self.cost.task_record(ctx.step, gb, self.acc.num_processes)  # collective
+        budget = getattr(self, "_budget_rec", None)
         if self.acc.is_main_process:
             d = task_dir(self.out, ti, self.order[ti])
             with atomic_dir(d, overwrite=True) as tmp:
@@ -1008,8 +1049,12 @@ class Trainer:
                         "selection": (
                             k.info() if (k := getattr(self, "_keeper", None)) else {"by": "last"}
                         ),
+                        "cost": cost,
+                        **({"budget": budget} if budget is not None else {}),
                     },
                 )
+            rj = read_json(self.out / RUN_JSON)
+            write_json(self.out / RUN_JSON, {**rj, "cost": summarize_run(self.out)})
             shutil.rmtree(self.out / LAST, ignore_errors=True)
             self.acc.print(f"task {ti + 1}/{len(self.order)} {ctx.task_name}: saved {d}")
         self.acc.wait_for_everyone()

@@ -231,3 +231,30 @@ def test_compare_has_cost_columns_and_a_compute_plot(synth_stream, tmp_path):
     assert tmp_path / "cmp" / "compare_Rm_vs_compute.png" in files
     j = json.loads((tmp_path / "cmp" / "compare.json").read_text())
     assert j["runs"][0]["TFLOPs"] == pytest.approx(want) and j["runs"][2]["TFLOPs"] is None
+
+
+def test_tracker_counts_an_extra_once_per_task_across_sessions():
+    """The first call of an extra is counted, later ones take its count (also after a resume
+    from a checkpoint's state); the step counted in one session is carried to the next."""
+    dev = torch.device("cpu")
+    a = torch.randn(8, 8)
+    t = CostTracker(dev)
+    t.begin_task()
+    with t.extra("fisher"):
+        a @ a
+    t.start_step()
+    a @ a @ a
+    t.stop_step()
+    saved = t.state()
+    assert saved["flops_per_step"] == 2 * 2 * 8**3
+    assert saved["extras"] == {"fisher": {"flops_per_call": 2 * 8**3, "calls": 1}}
+    t2 = CostTracker(dev)  # the resumed session
+    t2.begin_task(saved)
+    assert t2.has_step
+    with t2.extra("fisher"):
+        a @ a @ a @ a  # a later call: not counted, taken to cost the first one's
+    with t2.extra("before_task", skip=True):
+        a @ a  # redone on resume: neither counted nor called again
+    rec = t2.task_record(steps=5, samples_per_step=8, processes=1)
+    assert rec["extras"] == {"fisher": {"flops_per_call": 1024, "calls": 2, "flops": 2048}}
+    assert rec["train_flops"] == 5 * 2048 and rec["total_flops"] == 5 * 2048 + 2048

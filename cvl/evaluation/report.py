@@ -472,8 +472,9 @@ def _finite(v: Any) -> Any:
 def compare_records(ms: Sequence[dict[str, Any]]) -> tuple[list[str], list[dict[str, Any]]]:
     """One record per run (column -> raw value, None when not measured): the final model on
     the merged test set (CTP Table 1), the continual summary of the per-task R matrices (avg,
-    BWT, forgetting, DHA FR, zero-shot, probe) and the final checkpoint on every benchmark
-    (Mod-X / DKR / IncCLIP: COCO 5K, Flickr30K 1K, ...)."""
+    BWT, forgetting, DHA FR, zero-shot, probe), what the run cost to train (`COST_COLS`, from
+    its task.json files) and the final checkpoint on every benchmark (Mod-X / DKR / IncCLIP:
+    COCO 5K, Flickr30K 1K, ...)."""
     bench = benchmark_names(ms)
     headers = ["run", "method", *TABLE1, *(c for c, *_ in COMPARE_CONTINUAL)]
     headers += [c for c, *_ in COST_COLS]

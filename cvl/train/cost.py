@@ -265,11 +265,11 @@ class CostTracker:
             yield
             return
         if self.probing:  # the probe measures the step only; its extras are thrown away
-            with self.meter.counting(None):
+            with self.meter.counting(None) if self.meter.buckets else contextlib.nullcontext():
                 yield
             return
         key = "extra:" + name
-        first = key not in self.meter.counts and key not in t["carried"].get("extras", {})
+        first = key not in self.meter.counts and name not in t["carried"].get("extras", {})
         if not first:
             t["calls"][name] = t["calls"].get(name, 0) + 1
             with self.meter.counting(None) if self.meter.buckets else contextlib.nullcontext():

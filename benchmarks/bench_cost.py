@@ -3,11 +3,12 @@
 Two parts:
 
 - `methods`: every registered method (or `--methods`) trains `--steps` steps per task of a
-  2-task synthetic stream with the tiny ViT CLIP (batch 64, the buffer it needs), and the
-  cost `cvl train` records in task.json is read back: the counted FLOPs per step of task 2
-  (where old, reference and momentum models exist) relative to SeqF's, and the per-task
-  extras (Fisher / importance passes, buffer selection, AFEC's expanded model) in SeqF
-  steps. FLOPs are counted, not timed: these ratios are exact on any machine.
+  3-task synthetic stream (256 pairs per task) with the tiny ViT CLIP (batch 64, 4 steps an
+  epoch; the buffer it needs, 32 pairs), and the cost `cvl train` records in task.json is
+  read back for task 2 (where old, reference and momentum models exist; not the last task,
+  after which the importance passes are skipped): the counted FLOPs per step relative to
+  SeqF's, and the per-task extras (Fisher / importance passes, buffer selection, AFEC's
+  expanded model, DHA's validation) in SeqF steps. FLOPs are counted, not timed: these ratios are exact on any machine.
 - `overhead`: wall time of a bare training step (forward, InfoNCE, backward, AdamW) plain,
   under cvl's FLOP meter and under torch's `FlopCounterMode`, interleaved `--repeats` times
   (fastest of each kept): what the one counted step per task costs.
@@ -19,6 +20,7 @@ Two parts:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
@@ -42,7 +44,8 @@ def method_costs(methods: list[str], steps: int, root: Path) -> dict[str, Any]:
     from cvl.streams.synthetic import SynthSpec, build_synthetic
 
     stream = root / "stream"
-    build_synthetic(stream, SynthSpec(tasks=2, per_task=256, test_per_task=8), progress=False)
+    spec = SynthSpec(tasks=3, per_task=256, test_per_task=8, val_per_task=16)
+    build_synthetic(stream, spec, progress=False)
     out: dict[str, Any] = {}
     for m in ["seqft", *[x for x in methods if x != "seqft"]]:
         cls = all_methods()[m]
@@ -56,15 +59,16 @@ def method_costs(methods: list[str], steps: int, root: Path) -> dict[str, Any]:
         argv += ["--model-config", "tiny-vit", "--batch-size", "64", "--epochs", "1"]
         argv += ["--max-steps-per-task", str(steps), "--log-with", "none", "--quiet"]
         argv += ["--workers", "0", "--device", "cpu"]
-        assert main(argv) in (0, None), m
+        with contextlib.redirect_stdout(sys.stderr):  # stdout is the JSON
+            assert main(argv) in (0, None), m
         tasks = sorted((run / "tasks").iterdir())
-        cost = json.loads((tasks[-1] / "task.json").read_text())["cost"]
+        cost = json.loads((tasks[1 if len(tasks) > 1 else 0] / "task.json").read_text())["cost"]
         out[m] = {
             "flops_per_step": cost["flops_per_step"],
             "extras_flops": {k: v["flops"] for k, v in cost["extras"].items() if v["flops"]},
         }
     seq = out["seqft"]["flops_per_step"]
-    for m, r in out.items():
+    for r in out.values():
         r["step_vs_seqft"] = round(r["flops_per_step"] / seq, 3)
         r["extras_in_seqft_steps"] = {k: round(v / seq, 2) for k, v in r["extras_flops"].items()}
     return out

@@ -190,6 +190,17 @@ def test_every_method_trains_under_a_budget_as_without(method, tiny, tmp_path):
         assert t["budget"]["capped"] and t["budget"]["steps_trained"] == STEPS
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("buffer", ["reservoir", "ring", "kmeans", "mof"])
+@pytest.mark.parametrize("method", ["seqft", "lwf"])
+def test_every_buffer_trains_under_a_budget_as_without(method, buffer, tiny, tmp_path):
+    """The same with each replay buffer (its state is part of what the probe restores)."""
+    extra = ["--buffer", buffer, "--buffer-size", "8"]
+    cli(train_argv(tiny, tmp_path / "plain", method) + extra)
+    cli(train_argv(tiny, tmp_path / "budget", method) + extra + ["--budget", "tflops=1000"])
+    assert_same_run_but_budget(tmp_path / "plain", tmp_path / "budget")
+
+
 def assert_same_run_but_budget(a, b) -> None:
     """`assert_same_run`, with task.json's budget record and the step's source set aside."""
     import reliability_helpers as rh

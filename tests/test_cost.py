@@ -258,3 +258,19 @@ def test_tracker_counts_an_extra_once_per_task_across_sessions():
     rec = t2.task_record(steps=5, samples_per_step=8, processes=1)
     assert rec["extras"] == {"fisher": {"flops_per_call": 1024, "calls": 2, "flops": 2048}}
     assert rec["train_flops"] == 5 * 2048 and rec["total_flops"] == 5 * 2048 + 2048
+
+
+def test_compare_reads_the_cost_of_a_moved_run(synth_stream, tmp_path, capsys):
+    """`cvl eval --compare` with a cached evaluation of a run folder that was moved since:
+    the cost columns come from the folder as named now."""
+    train_run(synth_stream, tmp_path / "a", FAST, max_steps_per_task=1)
+    quiet = ["--quiet", "--no-probe", "--no-zeroshot", "--no-plots"]
+    assert main(["eval", "--run", str(tmp_path / "a"), *quiet]) == 0
+    (tmp_path / "a").rename(tmp_path / "moved")
+    capsys.readouterr()
+    assert main(["eval", "--compare", str(tmp_path / "moved"), *quiet]) == 0
+    row = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| a |")][
+        0
+    ]  # its cached name
+    want = summarize_run(tmp_path / "moved")["total_flops"] / 1e12
+    assert f"| {want:.3g} |" in row

@@ -218,7 +218,7 @@ def eval_cmd(
         for r in targets:
             m = _existing_metrics(Path(r)) if not force and stream is None else None
             if m is not None:
-                ms.append(m)
+                ms.append({**m, "run": str(r)})  # the folder as named now (its cost is read there)
                 continue
             lock = _lock_eval(r, None, acc)
             m = evaluate_run(r, opts, acc)

@@ -45,7 +45,14 @@ from typing import Any
 import torch
 
 from cvl.errors import CvlError
-from cvl.train.cost import GIGA, TERA, optimizer_state_bytes, peak_memory, reset_peak_memory
+from cvl.train.cost import (
+    GIGA,
+    TERA,
+    optimizer_state_bytes,
+    peak_memory,
+    reduce_values,
+    reset_peak_memory,
+)
 
 KINDS = ("samples", "tflops", "maf")
 _SPEC = re.compile(r"^(samples|tflops|maf)=([0-9.eE+-]+)(/task)?$")
@@ -122,16 +129,9 @@ def _first_batches(trainer: Any, ctx: Any, ds: Any, gb: int) -> list[dict]:
     return list(make_loader(ds, bs, acc.process_index, acc.num_processes, 0))
 
 
-def _global_sum(x: float, device: torch.device) -> float:
-    from cvl.train.cost import _reduce
-
-    return _reduce([float(x)], "sum", device)[0]
-
-
-def _global_max(x: float, device: torch.device) -> float:
-    from cvl.train.cost import _reduce
-
-    return _reduce([float(x)], "max", device)[0]
+def _global(x: float, op: str, device: torch.device) -> float:
+    """`x` summed (op "sum") or maximised ("max") over the processes."""
+    return reduce_values([float(x)], op, device)[0]
 
 
 def reference_step(trainer: Any, ctx: Any, batch: dict) -> dict[str, float]:
@@ -142,6 +142,7 @@ def reference_step(trainer: Any, ctx: Any, batch: dict) -> dict[str, float]:
     from cvl.train.cost import FlopMeter
 
     model, acc, dev = trainer.model, trainer.acc, trainer.acc.device
+    model.train()  # as a training step (BatchNorm statistics restored below)
     bufs = {n: b.detach().clone() for n, b in model.named_buffers()}
     params = [p for p in model.parameters() if p.requires_grad]
     meter = FlopMeter()
@@ -164,21 +165,21 @@ def reference_step(trainer: Any, ctx: Any, batch: dict) -> dict[str, float]:
     for p in params:
         p.grad = None
     return {
-        "flops": _global_sum(meter.counts.get("ref", 0), dev),
-        "memory": _global_max(peak + optimizer_state_bytes(params), dev),
+        "flops": _global(meter.counts.get("ref", 0), "sum", dev),
+        "memory": _global(peak + optimizer_state_bytes(params), "max", dev),
     }
 
 
 def probe_step(trainer: Any, ctx: Any, batches: list[dict]) -> dict[str, float]:
     """FLOPs (summed over processes) and memory of one optimizer step of the method, run and
     undone (module doc). Uses the eager model also with `--compile`."""
+    from cvl.data.reader import sample_seed
     from cvl.train.checkpoint import state_copy
     from cvl.train.loop import optimizer_with_schedule, seed_torch
 
     cfg, acc, dev = trainer.cfg, trainer.acc, trainer.acc.device
     model, method, tracker = trainer.model, trainer.method, trainer.cost
-    from cvl.data.reader import sample_seed
-
+    model.train()  # as the task's steps will run
     weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     state = state_copy(trainer._method_state(ctx))
     saved = (ctx.step, ctx.global_step, ctx.epoch, ctx.generator, ctx.resuming)
@@ -223,8 +224,8 @@ def probe_step(trainer: Any, ctx: Any, batches: list[dict]) -> dict[str, float]:
         ctx.resuming = saved[4]
         tracker.probing = ctx.probing = False
     return {
-        "flops": _global_sum(flops, dev),
-        "memory": _global_max(peak + optimizer_state_bytes(params), dev),
+        "flops": _global(flops, "sum", dev),
+        "memory": _global(peak + optimizer_state_bytes(params), "max", dev),
     }
 
 

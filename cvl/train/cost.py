@@ -194,7 +194,7 @@ def optimizer_state_bytes(params: list[torch.Tensor]) -> int:
 
 
 # -- per task ------------------------------------------------------------------------------------
-def _reduce(values: list[float], op: str, device: torch.device) -> list[float]:
+def reduce_values(values: list[float], op: str, device: torch.device) -> list[float]:
     """All-reduce a few numbers across ranks (sum or max); identity on one process."""
     from cvl.dist import world_size
 
@@ -202,7 +202,7 @@ def _reduce(values: list[float], op: str, device: torch.device) -> list[float]:
         return list(values)
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist_op = torch.distributed.ReduceOp.SUM if op == "sum" else torch.distributed.ReduceOp.MAX
-    torch.distributed.all_reduce(t, op=dist_op)
+    torch.distributed.allreduce_values(t, op=dist_op)
     return t.tolist()
 
 
@@ -303,9 +303,9 @@ class CostTracker:
         peak = float(max(peak_memory(self.device), t["peak_floor"])) if self.enabled else 0.0
         local = [float(self.meter.counts.get("step", 0))]
         local += [float(self.meter.counts.get("extra:" + n, 0)) for n in names]
-        summed = _reduce(local + [peak], "sum", self.device)
+        summed = reduce_values(local + [peak], "sum", self.device)
         psum, summed = summed[-1], summed[:-1]
-        pmax = _reduce([peak], "max", self.device)[0]
+        pmax = reduce_values([peak], "max", self.device)[0]
         step = c.get("flops_per_step")
         if "step" in self.meter.counts:
             step = int(summed[0])

@@ -28,6 +28,7 @@ from cvl.data.augment import (
     resize_weights,
     split_transform,
     train_transform,
+    vertical_first,
 )
 from cvl.data.reader import (
     PairDataset,
@@ -55,6 +56,7 @@ def photo(rng: np.random.Generator, w: int, h: int) -> Image.Image:
 
 
 SIZES = [(640, 480), (480, 640), (300, 200), (224, 224), (1000, 700), (60, 50), (33, 97)]
+SIZES += [(60, 400)]  # at 64 px PIL resizes its crop vertically first
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +133,10 @@ def test_split_transform_computes_the_compose(photos, augment, size):
     if augment != "ctp":  # RandAugment keeps CTP's resize in the worker
         dev = split_transform(compose, resize_on_device=True, draft=False)
         assert dev.resize_on_device
+        ds_dev = PairDataset.from_shards(photos, transform=dev)
+        orders = vertical_first(collate([ds_dev[it] for it in items])["image_geom"])
+        if augment == "openclip":  # both of PIL's pass orders in one batch at 64 px
+            assert orders.any() and not orders.all() if size == 64 else not orders.any()
         d = _levels(_images(photos, dev, items), want)
         assert d.max() <= 2.0 + 1e-3 and (d > 0.5).float().mean() < 1e-3
 
@@ -157,7 +163,7 @@ def test_split_transform_computes_the_compose(photos, augment, size):
 def test_device_resize_is_pils_resize(resample):
     """Up- and downscaling (PIL's pass order included), fractional boxes (the draft case),
     several sizes in one zero-padded batch, noise images (every rounding and clip shows)."""
-    from cvl.data.augment import _resize, vertical_first
+    from cvl.data.augment import _resize
 
     rng = np.random.default_rng(1)
     cases = [((50, 40), (3.3, 2.0, 47.9, 39.0), (16, 16)), ((20, 30), None, (40, 24))]

@@ -19,8 +19,9 @@ runs the same pipeline in two parts:
 
 What stays equal to the per-sample Compose: the crop boxes and flips (the same draws); with
 the resize in the worker and no draft the tensors are bit-identical; the device resize
-computes PIL's filter weights and rounds each pass to integers as PIL does, so pixels differ
-at most by one level in rare ties (tests/test_augment.py). Draft mode changes the low-pass
+uses PIL's own fixed-point filter weights, its pass order and its rounding of each pass to
+8 bits, with float32 sums instead of its integer ones, so a value differs by a level where a
+near-tie rounds the other way (≤ 2 levels, < 0.1 % of values: tests/test_augment.py). Draft mode changes the low-pass
 filter (the DCT's instead of the bicubic's), within interpolation differences (measured in
 the same test). A Compose of another shape is not split (`split_transform` returns None).
 """
@@ -254,35 +255,38 @@ class SplitTransform:
         return {"image": np.asarray(img)}
 
     # -- per batch (training device) ---------------------------------------------------------
+    def _resize(self, x: torch.Tensor, geom: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Padded uint8 crops on the device -> [N, 3, oh, ow] float with PIL's values: the
+        samples PIL resizes vertically first apart from the others, in memory-bounded chunks.
+        Which is which and the filter lengths come from the host's `geom`: no device sync."""
+        first = vertical_first(geom)
+        taps = (max_taps(geom[:, 0], self.resample), max_taps(geom[:, 1], self.resample))
+        geom = geom.to(device, non_blocking=True)
+        out = torch.empty(len(x), 3, *self.size, device=device)
+        for order in (False, True):
+            idx = torch.nonzero(first == order).flatten()
+            if len(idx) == 0:
+                continue
+            whole = len(idx) == len(x)
+            if not whole:
+                idx = idx.to(device, non_blocking=True)
+            xs, gs = (x, geom) if whole else (x[idx], geom[idx])
+            parts = [
+                _resize(xs[a : a + k], gs[a : a + k], self.size, self.resample, order, taps)
+                for a, k in _chunks(xs)
+            ]
+            if whole:
+                return torch.cat(parts)
+            out[idx] = torch.cat(parts)
+        return out
+
     def finish(self, batch: dict[str, Any], device: torch.device) -> torch.Tensor:
         """The batch's images on `device`, as the Compose makes them: float, normalised."""
         x = batch.pop("image").to(device, non_blocking=True)
         if "image_geom" in batch:
-            geom = batch.pop("image_geom")
-            first = vertical_first(geom)  # on the host: no device sync
-            geom = geom.to(device, non_blocking=True)
+            x = self._resize(x, batch.pop("image_geom"), device)
             flip = batch.pop("image_flip").to(device, non_blocking=True)
-            out = torch.empty(len(x), 3, *self.size, device=device)
-            for order in (False, True):
-                idx = torch.nonzero(first == order).flatten()
-                if len(idx) == len(x):
-                    idx = None
-                elif len(idx) == 0:
-                    continue
-                else:
-                    idx = idx.to(device, non_blocking=True)
-                xs, gs = (x, geom) if idx is None else (x[idx], geom[idx])
-                part = torch.cat(
-                    [
-                        _resize(xs[a : a + k], gs[a : a + k], self.size, self.resample, order)
-                        for a, k in _chunks(xs)
-                    ]
-                )
-                if idx is None:
-                    out = part
-                else:
-                    out[idx] = part
-            x = torch.where(flip.view(-1, 1, 1, 1), out.flip(-1), out)
+            x = torch.where(flip.view(-1, 1, 1, 1), x.flip(-1), x)
         else:
             x = x.permute(0, 3, 1, 2).to(torch.float32, memory_format=torch.contiguous_format)
         if device not in self._consts:  # once per device: no copy (or sync) per batch
@@ -334,7 +338,11 @@ def _chunks(x: torch.Tensor) -> list[tuple[int, int]]:
 
 
 def resize_weights(
-    geom: torch.Tensor, out: int, width: int, resample: int = Image.Resampling.BICUBIC
+    geom: torch.Tensor,
+    out: int,
+    width: int,
+    resample: int = Image.Resampling.BICUBIC,
+    taps: int | None = None,
 ) -> torch.Tensor:
     """PIL's 8-bit resampling coefficients for one axis of each sample: [N, out, width].
 
@@ -343,7 +351,10 @@ def resize_weights(
     its order of operations: centre in0 + (o + 0.5) * scale, support × max(scale, 1), taps
     [floor(c - support + 0.5), floor(c + support + 0.5)) clipped to [0, size), weights
     normalised to sum 1, then its fixed point (× 2^22, rounded away from zero): float32
-    holds those exactly, so a pass's sums are PIL's but for float32 rounding."""
+    holds those exactly, so a pass's sums are PIL's but for float32 rounding.
+
+    `taps`: at least PIL's ksize for the largest scale (`max_taps`); given, nothing here
+    waits for the device."""
     support, kernel = FILTERS[resample]
     in0, scale, size = (geom[:, k : k + 1].double() for k in range(3))
     fscale = scale.clamp(min=1.0)
@@ -351,7 +362,7 @@ def resize_weights(
     centre = in0 + (torch.arange(out, device=geom.device, dtype=torch.float64) + 0.5) * scale
     first = torch.floor(centre - sup + 0.5).clamp(min=0)
     last = torch.minimum(torch.floor(centre + sup + 0.5), size)
-    taps = int(math.ceil(support * float(fscale.max()))) * 2 + 1  # PIL's ksize
+    taps = taps or max_taps(geom, resample)
     x = first.unsqueeze(-1) + torch.arange(taps, device=geom.device, dtype=torch.float64)
     w = kernel((x - centre.unsqueeze(-1) + 0.5) * (1.0 / fscale).unsqueeze(-1))
     w = torch.where(x < last.unsqueeze(-1), w, 0.0)
@@ -359,8 +370,16 @@ def resize_weights(
     w = w / torch.where(total == 0, 1.0, total)
     w = torch.trunc(w * PIL_ONE + torch.where(w < 0, -0.5, 0.5)) / PIL_ONE
     dense = torch.zeros(len(geom), out, width + taps, device=geom.device)
-    dense.scatter_(-1, x.long(), w.float())  # taps past `last` carry 0 (into the spare room)
-    return dense[..., :width]
+    n, o = (torch.arange(k, device=geom.device) for k in (len(geom), out))
+    # distinct indices: index_put_ without accumulation is deterministic (scatter_ is not)
+    dense.index_put_((n.view(-1, 1, 1), o.view(1, -1, 1), x.long()), w.float())
+    return dense[..., :width]  # taps past `last` carry 0 (into the spare room)
+
+
+def max_taps(geom: torch.Tensor, resample: int) -> int:
+    """PIL's ksize for the largest scale in `geom` [N, ≥2] (in0, scale, ...)."""
+    support = FILTERS[resample][0]
+    return int(math.ceil(support * max(1.0, float(geom[:, 1].max())))) * 2 + 1
 
 
 def vertical_first(geom: torch.Tensor) -> torch.Tensor:
@@ -380,13 +399,15 @@ def _resize(
     size: tuple[int, int],
     resample: int,
     vertical_first: bool = False,
+    taps: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """uint8 [N, H, W, C] (zero-padded crops) -> float [N, C, oh, ow] with PIL's values:
     one pass, rounded and clipped to 0..255, then the other (horizontal first unless
-    `vertical_first`)."""
+    `vertical_first`). `taps`: (vertical, horizontal) `max_taps`, known on the host."""
     n, h, w, _ = x.shape
-    wy = resize_weights(geom[:, 0], size[0], h, resample).unsqueeze(1)
-    wx = resize_weights(geom[:, 1], size[1], w, resample).transpose(1, 2).unsqueeze(1)
+    ty, tx = taps or (None, None)
+    wy = resize_weights(geom[:, 0], size[0], h, resample, ty).unsqueeze(1)
+    wx = resize_weights(geom[:, 1], size[1], w, resample, tx).transpose(1, 2).unsqueeze(1)
     x = x.permute(0, 3, 1, 2).to(torch.float32)
     if vertical_first:
         return _to_8bit(torch.matmul(_to_8bit(torch.matmul(wy, x)), wx))

@@ -251,3 +251,23 @@ def test_default_workers_has_no_cap(monkeypatch):
         )
         assert default_workers(procs) == want
     assert math.isfinite(default_workers())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_device_part_on_cuda_matches_the_cpu(photos, monkeypatch):
+    """The batched part on a GPU (what a GPU run does): the CPU's values within a level,
+    also under torch's deterministic mode (no scatter_, no host sync needed)."""
+    st = split_transform(image_transform(224, train=True), resize_on_device=True)
+    items = [(i, 3 + i) for i in range(len(PairDataset.from_shards(photos)))]
+    ds = PairDataset.from_shards(photos, transform=st)
+    batch = collate([ds[it] for it in items])
+    cpu = st.finish(dict(batch), CPU)
+    was = torch.are_deterministic_algorithms_enabled()
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # as cvl.device sets it
+    torch.use_deterministic_algorithms(True)
+    try:
+        cuda = st.finish(dict(batch), torch.device("cuda")).cpu()
+    finally:
+        torch.use_deterministic_algorithms(was)
+    d = _levels(cuda, cpu)
+    assert d.max() <= 1.0 + 1e-3 and (d > 0.5).float().mean() < 1e-3

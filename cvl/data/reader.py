@@ -397,8 +397,9 @@ def default_workers(processes_per_node: int = 1) -> int:
 
     The CPUs this process may use, shared by the node's training processes, minus one for the
     training process itself; at least 1 (decoding and augmentation leave the main process).
-    No upper cap: a fast GPU takes every core a node gives it (one worker decodes ~1,000
-    224-px samples/s with the resize on the GPU; a node's 8-16 cores per GPU are needed).
+    No upper cap: a fast GPU takes every core a node gives it (one worker prepares ~500-2,000
+    224-px samples/s with the resize on the GPU, `benchmarks/bench_loader.py`; an H100 steps
+    ViT-B-32 at ~3,500 pairs/s).
     """
     try:
         cpus = len(os.sched_getaffinity(0))

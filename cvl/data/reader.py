@@ -234,10 +234,9 @@ class PairDataset(Dataset):
         i, aug = (item, None) if isinstance(item, int) else item
         n = len(self.entries)
         split = isinstance(self.transform, SplitTransform)
+        parts: dict[str, Any] = {}
         for replaced in range(n):
             j = (i + replaced) % n
-            # the split transform draws its crop box from the header, before decoding: the
-            # same draws, in the same order, as the Compose makes after decoding
             try:
                 if split:  # the same draws, in the same order, as the Compose (below) makes
                     with _seeded(aug):
@@ -255,7 +254,6 @@ class PairDataset(Dataset):
         captions = meta.get("captions") or [caption]
         if aug is not None and len(captions) > 1:  # training: one caption per visit
             caption = captions[aug % len(captions)]
-        parts = parts if split else {}
         if split:
             image = parts.pop("image")
         elif self.transform is not None:

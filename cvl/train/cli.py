@@ -147,8 +147,9 @@ _OPTS = [
     type=int,
     default=-1,
     show_default=True,
-    help="Loader worker processes per training process (decode + augment): -1 = auto from "
-    "the CPU count, 0 = in the training process.",
+    help="Loader worker processes per training process (decode + augment): -1 = auto: the "
+    "usable CPUs / the node's training processes - 1 (at least 1, no upper limit); 0 = in the "
+    "training process.",
 )
 @click.option(
     "--checkpoint-every",

@@ -34,6 +34,7 @@ import torch
 from tqdm import tqdm
 
 from cvl import __version__
+from cvl.data.augment import device_images, train_transform
 from cvl.data.reader import (
     PairDataset,
     default_workers,
@@ -640,7 +641,7 @@ class Trainer:
         entries = self.method.task_entries(ctx)
         ds = PairDataset(
             entries,
-            transform=image_transform(self.model.image_size, train=True, augment=cfg.augment),
+            transform=train_transform(self.model.image_size, cfg.augment, acc.device),
             tokenize=self.model.tokenizer,
             skipped=Counter(self.skipped.get(name, {})),
             name=f"task {name}",
@@ -716,7 +717,7 @@ class Trainer:
                         sample_seed(cfg.seed, ti, epoch, ctx.step)
                     )
                     self.method.before_step(ctx)
-                batch["image"] = batch["image"].to(acc.device, non_blocking=True)
+                batch["image"] = device_images(batch, ds.transform, acc.device)
                 batch["text"] = batch["text"].to(acc.device, non_blocking=True)
                 with acc.autocast():
                     out = self._forward(batch["image"], batch["text"])

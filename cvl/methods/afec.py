@@ -152,7 +152,8 @@ class AFEC(EWC):
             else:
                 torch._foreach_add_(self._pen_grad, od)
             # a device tensor: a Python float would be copied to the device by a blocking copy
-            ctx.metrics["afec_expanded_loss"] = to_device(torch.tensor(self.exp_loss), ctx.device)
+            dev = theta_e[0].device if theta_e else torch.device("cpu")
+            ctx.metrics["afec_expanded_loss"] = to_device(torch.tensor(self.exp_loss), dev)
 
     def loss(self, batch, out, ctx):
         terms = super().loss(batch, out, ctx)

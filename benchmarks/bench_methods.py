@@ -1,8 +1,8 @@
 """Per-step time of each method relative to SeqF, measured in one process (JSON on stdout).
 
 Every method trains the same 2-task synthetic stream with the same tiny model; we time the
-second task (where reference / old models exist) from the training logs: median seconds per
-optimizer step over the task's steps after a short warm-up. Each run is repeated `--repeats`
+second task (where reference / old models exist): median seconds per optimizer step over the
+task's steps after a short warm-up. Each run is repeated `--repeats`
 times, interleaved with SeqF's, and the fastest median of each is kept (load from other
 processes only ever slows a run down), so the ratio to SeqF is robust to a busy machine.
 
@@ -12,9 +12,11 @@ per-task extra cost outside the steps — importance passes after a task (EWC, M
 AFEC's Fisher), buffer selection (mof / kmeans features + selection), AFEC's expanded epochs —
 in seconds and as a multiple of one SeqF epoch (steps per epoch × SeqF step time).
 
-Step times are wall seconds from the training log (each line reduces its window on the
-device, i.e. synchronises it). On the CPU (`--device cpu`, the default; GPUs are hidden from
-the process) the models are the tiny ones (`clip` = tiny-vit, `fusion` = tiny) on a 32 px
+Step times are the intervals between the ends of consecutive optimizer steps: on the CPU
+(`--device cpu`, the default; GPUs are hidden from the process) CPU seconds of this process
+(one torch thread, `--workers 0`: the step's own work, data included, barely inflated by other
+processes on a busy machine), on a GPU wall seconds with the device synchronised at each
+end. The CPU models are the tiny ones (`clip` = tiny-vit, `fusion` = tiny) on a 32 px
 stream. With `--device cuda` the hooks' timer synchronises the device too, and
 `--model-config` / `--precision` / `--workers` / `--batch-size` set the GPU setting (the
 stream is built at the model's image size).
@@ -137,7 +139,9 @@ def step_times(
         patches.append((cls, "_expanded_epoch", "expanded_epoch"))
     saved = [(owner, attr, owner.__dict__.get(attr)) for owner, attr, _ in patches]
 
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    stamps: list[float] = []  # the end of each optimizer step of the timed (second) task
 
     def timer(fn, key):
         def wrapped(*a, **k):
@@ -148,6 +152,9 @@ def step_times(
             finally:
                 sync()
                 timed[key].append(time.perf_counter() - t0)
+                if key == "after_step" and getattr(a[-1], "task_index", 0) == 1:
+                    # CUDA: wall seconds (synchronised); CPU: this process's CPU seconds
+                    stamps.append(time.perf_counter() if cuda else time.process_time())
 
         return wrapped
 
@@ -166,7 +173,8 @@ def step_times(
         json.loads(x)
         for x in (finished_tasks(out)[-1].path / "train_log.jsonl").read_text().splitlines()
     ]
-    per_step = [batch / r["samples_per_s"] for r in log[3:]]
+    wall = [batch / r["samples_per_s"] for r in log[3:]]
+    per_step = [b - a for a, b in zip(stamps[3:], stamps[4:])] or wall
     hooks = sum(
         statistics.median(timed[h]) if timed[h] else 0.0
         for h in ("before_step", "after_backward", "after_step")

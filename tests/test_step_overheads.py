@@ -21,6 +21,7 @@ tensor, frozen models in the training precision, gradients reduced during the ba
 
 from __future__ import annotations
 
+import gc
 import socket
 import sys
 import weakref
@@ -32,6 +33,7 @@ from reliability_helpers import method_args, trained_methods
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import cvl
+import cvl.dist
 
 CVL_ROOT = Path(cvl.__file__).resolve().parent
 STEP_HOOKS = {"before_step", "loss", "after_backward", "after_step"}
@@ -390,7 +392,10 @@ def _gather_checks(rank: int) -> dict[str, tuple[int, list]]:
             fwd = model(batch["image"], batch["text"])
             terms = m.loss(batch, fwd, ctx)
             sum(terms.values()).backward()
-        out[name] = (rec.calls, rec.dups)
+        del fwd, terms
+        gc.collect()
+        # the memo holds nothing once the gathered tensors are gone
+        out[name] = (rec.calls, rec.dups, len(cvl.dist._gathered))
     return out
 
 
@@ -416,8 +421,9 @@ def test_two_processes_gather_once_and_reduce_during_backward(tmp_path):
     mp.spawn(_dist_worker, args=(_free_port(), result), nprocs=2, join=True)
     gathers = torch.load(result, weights_only=False)
     assert set(gathers) >= {"lwf", "modx", "dkr", "ctp", "co2l", "erl", "der", "geodl"}
-    for name, (_calls, dups) in gathers.items():
+    for name, (_calls, dups, memo_left) in gathers.items():
         assert not dups, f"{name}: tensors of shape {dups} all-gathered twice in one step"
+        assert memo_left == 0, f"{name}: {memo_left} gathers still memoised after the step"
     # the global-batch methods do gather (the check above is not vacuous)
     assert all(gathers[n][0] >= 2 for n in ("modx", "dkr", "ctp", "co2l", "erl", "geodl"))
 
@@ -448,10 +454,15 @@ def test_frozen_models_run_in_the_training_precision(method, stream, tmp_path):
         if any(p.startswith("methods/") and fn in STEP_HOOKS for p, fn, _ in frames):
             seen["trained" if w.requires_grad else "frozen"].add(output.dtype)
 
+    from accelerate.state import AcceleratorState
+
+    # Accelerate keeps one precision per process: start from a fresh state, and leave one
+    AcceleratorState._reset_state()
     handle = register_module_forward_hook(hook)
     try:
         argv = _argv(stream, tmp_path / "run", method, "clip", "--precision", "bf16")
         assert main(argv) in (0, None)
     finally:
         handle.remove()
+        AcceleratorState._reset_state()
     assert seen["frozen"] == {torch.bfloat16}, seen

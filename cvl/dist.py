@@ -190,7 +190,7 @@ class _Bucket:
         if have:
             torch._foreach_copy_([v for v, _ in have], [g for _, g in have])
         self.work = dist.all_reduce(self.flat, async_op=True)
-        self.sent, self.dirty = True, False
+        self.sent = True
 
     def finish(self, w: int) -> None:
         """Wait for the all_reduce and write the averages into the parameters' gradients."""
@@ -221,14 +221,16 @@ class GradReducer:
     order, so every rank issues the same collectives in the same order. `finish()` sends the
     buckets that are not complete (parameters without a gradient count as zero: unused in this
     step on this rank, as `average_gradients`), waits (on a GPU: the compute stream waits, the
-    host does not), and writes the average into each `p.grad`.
+    host does not), and writes the average into each `p.grad`. The collectives are the same
+    on every rank: each bucket once, in order, then again (in order) each bucket that holds a
+    parameter whose gradient was accumulated twice in the backward (reached twice, e.g. by a
+    re-entrant checkpoint); which parameters those are depends on the graph, which is the
+    same on every rank (as DDP assumes), not on timing.
 
     Earlier micro-batches of gradient accumulation only accumulate (the hooks are idle); a
     step that is skipped (no backward of the last micro-batch) sends nothing. Other backward
-    passes on the model outside the step (importance passes) find the hooks idle too. A
-    gradient accumulated again after its bucket was sent (a parameter reached twice in one
-    backward, by a re-entrant checkpoint) marks the bucket to be sent again in `finish()`.
-    The result equals `average_gradients` up to the order of the float sums over ranks (with
+    passes on the model outside the step (importance passes) find the hooks idle too. The
+    result equals `average_gradients` up to the order of the float sums over ranks (with
     2 ranks: identical).
     """
 
@@ -240,6 +242,7 @@ class GradReducer:
         self._buckets: list[_Bucket] = []
         self._where: list[tuple[int, int]] = []  # param index -> (bucket, slot)
         self._armed = False
+        self._overlapped = False  # this step's last backward was armed (same on every rank)
         self._next = 0  # the next bucket to send
         self._ready_order: list[int] = []
         self._rebuilt = False
@@ -290,7 +293,7 @@ class GradReducer:
             self._build(params, None)
             self._rebuilt = False
         self._drain()
-        self._armed = last
+        self._armed = self._overlapped = last
         self._next = 0
         self._ready_order = []
         self.sent_in_backward = 0
@@ -308,10 +311,8 @@ class GradReducer:
             return
         b, s = self._where[i]
         bucket = self._buckets[b]
-        if bucket.sent:
+        if bucket.seen[s]:  # reached again in this backward: `finish` sends the bucket again
             bucket.dirty = True
-            return
-        if bucket.seen[s]:
             return
         bucket.seen[s] = True
         bucket.pending -= 1
@@ -330,13 +331,18 @@ class GradReducer:
         if tuple(id(p) for p in params) != self._key:  # not prepared for these parameters
             self.prepare(params, last=False)
         self._armed = False
-        for bucket in self._buckets:
-            if not bucket.sent or bucket.dirty:
+        rebuild = self._overlapped and not self._rebuilt
+        for bucket in self._buckets:  # every bucket once, in order (the early ones are sent)
+            if not bucket.sent:
+                bucket.send()
+        for bucket in self._buckets:  # then, in order, those with a gradient accumulated twice
+            if bucket.dirty:
                 bucket.send()
         for bucket in self._buckets:
             bucket.finish(w)
             bucket.reset()
-        if not self._rebuilt and self._ready_order:
+        self._overlapped = False
+        if rebuild:  # a collective: decided by the control flow, not by this rank's hooks
             self._rebuild()
 
     def _rebuild(self) -> None:

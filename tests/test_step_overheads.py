@@ -267,7 +267,8 @@ def _reducer_checks(rank: int) -> None:
         def forward(self, x: torch.Tensor, twice: bool) -> torch.Tensor:
             h = self.a(x).tanh()
             if twice:  # a re-entrant checkpoint reaches `a` a second time in one backward
-                h = h + checkpoint(lambda t: self.a(t).tanh(), x, use_reentrant=True)
+                xr = x.detach().requires_grad_()  # (a re-entrant checkpoint needs one)
+                h = h + checkpoint(lambda t: self.a(t).tanh(), xr, use_reentrant=True)
             y = self.b(h)
             return y * self.only0 if rank == 0 else y
 
@@ -277,11 +278,20 @@ def _reducer_checks(rank: int) -> None:
     extra = [torch.nn.Parameter(torch.full((4,), 0.5)) for _ in nets]  # method-owned
     params = [list(n.parameters()) + [e] for n, e in zip(nets, extra)]
     reducer = GradReducer(bucket_mb=1e-4)  # ~100 bytes: one bucket per parameter or two
+    sends = []
+    real_send = cvl.dist._Bucket.send
+
+    def send(bucket):
+        sends.append(bucket)
+        real_send(bucket)
+
+    cvl.dist._Bucket.send = send  # a spawned process: restored when it exits
     g = torch.Generator().manual_seed(10 + rank)  # each rank its own data
     for step, (accum, skip, twice) in enumerate(
         [(2, False, False), (1, True, False), (1, False, False), (2, False, True)]
     ):
         xs = [torch.randn(5, 6, generator=g) for _ in range(accum)]
+        sends.clear()
         for k, (net, e, ps) in enumerate(zip(nets, extra, params)):
             for m, x in enumerate(xs):
                 last = m == accum - 1 and not skip
@@ -299,6 +309,8 @@ def _reducer_checks(rank: int) -> None:
                 average_gradients(ps)
             else:
                 reducer.finish(ps)
+        if twice:  # `a`'s bucket was complete before its second gradient came: sent again
+            assert len(sends) > len(reducer.buckets), (len(sends), len(reducer.buckets))
         if not skip:
             for p0, p1 in zip(*params):
                 assert (p0.grad is None) == (p1.grad is None)

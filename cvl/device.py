@@ -63,6 +63,19 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """`t` on `device`; a CPU tensor bound for a GPU goes through pinned memory, non-blocking.
+
+    A plain `.to("cuda")` of ordinary (pageable) host memory makes the host wait until the
+    GPU has finished its queue: a host sync inside a training step. Tensors built on the CPU
+    during a step (replay masks, stored targets, draws from a CPU generator) use this instead.
+    """
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def distributed_launch() -> bool:
     """True inside `accelerate launch` / `torchrun` with more than one process."""
     return int(os.environ.get("WORLD_SIZE", "1")) > 1

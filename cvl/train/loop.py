@@ -45,7 +45,7 @@ from cvl.data.reader import (
 )
 from cvl.data.transforms import image_transform
 from cvl.device import nondeterministic_ops_stop
-from cvl.dist import average_gradients, broadcast_module, world_size
+from cvl.dist import GradReducer, broadcast_module, world_size
 from cvl.errors import CvlError
 from cvl.io import atomic_dir, read_json, recover_dir, write_json
 from cvl.methods.base import Method, TaskContext, frozen_copy
@@ -238,6 +238,7 @@ class Trainer:
         self._forward = torch.compile(self.model) if cfg.compile else self.model
         self._entries: dict[str, list] = {}
         self._prev_cache: tuple[int, Any] | None = None
+        self._reducer = GradReducer()  # gradients averaged over ranks during the backward
 
     # -- setup -------------------------------------------------------------------------------
     @staticmethod
@@ -728,6 +729,8 @@ class Trainer:
                 if self._nonfinite(loss, terms, batch, ctx):
                     skip_step = True  # no backward; the whole optimizer step is skipped
                 else:
+                    last = micro + 1 == cfg.grad_accum and not skip_step
+                    self._reducer.prepare(self._params(), last)
                     acc.backward(loss / cfg.grad_accum)
                     window.add_micro(terms, ctx.metrics, cfg.grad_accum, batch)
                 ctx.metrics = {}
@@ -739,7 +742,7 @@ class Trainer:
                 gnorm = None
                 lr = opt.param_groups[0]["lr"]
                 if not skip_step:
-                    average_gradients(params)
+                    self._reducer.finish(params)
                     self.method.after_backward(ctx)
                     if cfg.grad_clip > 0:
                         gnorm = acc.clip_grad_norm_(params, cfg.grad_clip)

@@ -70,6 +70,8 @@ def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     GPU has finished its queue: a host sync inside a training step. Tensors built on the CPU
     during a step (replay masks, stored targets, draws from a CPU generator) use this instead.
     """
+    import torch
+
     device = torch.device(device)
     if device.type != "cuda" or t.device.type != "cpu":
         return t.to(device)

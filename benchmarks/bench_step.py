@@ -160,7 +160,9 @@ def main() -> None:
     images = torch.randn(b, 3, s, s).to(dev)
     tokens = model.tokenizer([f"a photo of shape {i % 7} in colour {i % 5}" for i in range(b)])
     tokens = tokens.to(dev)
-    premade = {"image": images, "text": tokens, "n_replaced": 0}
+    # what the loader hands cvl's loop: uint8 HWC pixels on the host (normalised on the device)
+    loaded = torch.randint(0, 256, (b, s, s, 3), dtype=torch.uint8)
+    premade = {"image": loaded, "text": tokens, "n_replaced": 0}
     res: dict[str, list[float]] = {k: [] for k in ("bare", "cvl", "cvl_log1", "e2e", "bare_wall")}
     common = {"model_config": args.model_config, "batch_size": b, "precision": args.precision}
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,4 +1,4 @@
-"""EMA merge (FoMo-in-Flux's "EMA-merge", Roth et al. 2024, after the momentum weight
+"""EMA merge (FoMo-in-Flux's EMA merging, Roth et al. 2024; cf. the momentum weight
 interpolation of Stojanovski et al. 2022): a running exponential average of the weights,
 updated after every optimizer step of every task and carried across tasks,
 

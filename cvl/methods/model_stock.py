@@ -5,7 +5,7 @@ towards the pre-trained anchor θ_0 by the ratio
     t = k·cos θ / ((k − 1)·cos θ + 1),      θ_H = t·w_avg + (1 − t)·θ_0 = θ_0 + t·mean(τ_i),
 
 where θ is the angle between the fine-tuned weights' offsets from θ_0 (τ_i = w_i − θ_0; the
-paper uses k = 2 models fine-tuned from θ_0 with different seeds). In the stream, with
+paper merges k = 2 models fine-tuned from θ_0). In the stream, with
 `init=base` (default) every task trains from θ_0, so after task t the fine-tuned models are
 the k = t + 1 task models θ̂_0..θ̂_t and cos θ is the mean cosine over all pairs of their task
 vectors (the paper's equal-angle assumption for k > 2; mergekit averages consecutive pairs

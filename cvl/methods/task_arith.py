@@ -7,8 +7,8 @@ By default (`init=base`) every task trains from θ_0, so τ_i = θ̂_i − θ_0 
 vector (each task model fine-tuned from the pre-trained one) and θ_t adds those of the tasks
 seen so far. `init=merged` trains task t from θ_{t−1} and τ_t is the task's own update (then
 θ_t = θ_{t−1} + λ·τ_t). λ = `lam` = 0.4: the paper picks λ on held-out validation data (0 to 1
-in steps of 0.05); 0.4 is the value its TIES-Merging follow-up's code uses for task
-arithmetic without validation (prateeky2806/ties-merging, `ties_minimal.ipynb`). Only the
+in steps of 0.05); 0.4 is the task-arithmetic example value of the TIES-Merging authors'
+code (prateeky2806/ties-merging, `ties_minimal.ipynb`). Only the
 running sum Σ τ_i is kept (one copy of the trained weights, CPU in the checkpoint). Wraps a
 base method (`base=NAME`, default seqft), see `cvl.methods.merging`.
 """

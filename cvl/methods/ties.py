@@ -1,18 +1,18 @@
 """TIES-Merging (Yadav et al., NeurIPS 2023, "Resolving interference when merging models"):
 the task vectors τ_i = θ̂_i − start_i are merged in three steps, and θ_t = θ_0 + λ·τ_m:
 
-1. **Trim**: each τ_i keeps its top-k entries by magnitude (k = `k` = 20 %, over all of its
-   entries at once, as the authors' code `topk_values_mask` does on the flattened vector;
-   ties at the threshold are kept), the others become 0;
+1. **Trim**: each τ_i keeps its top-k entries by magnitude (k = `k` = 20 %), the others
+   become 0; as the authors' code `topk_values_mask`: over all d entries of the vector at
+   once, keeping every |x| ≥ the (d − ⌊d·k⌋)-th smallest |x| (⌊d·k⌋ + 1 entries if no ties);
 2. **Elect**: the sign of each entry is the sign of the sum of the trimmed vectors ("mass");
    entries whose sum is 0 take the majority sign (the sign of the sum of the elected signs,
    the code's `resolve_zero_signs`);
 3. **Disjoint mean**: τ_m = mean of the trimmed entries that agree with the elected sign
    (entries with no agreeing vector stay 0).
 
-λ = `lam` = 1 (the paper's value without validation and the code's example). Defaults are the
-code's (prateeky2806/ties-merging: K = 20, elect "mass", "dis-mean"). In the stream: with
-`init=base` (default) every task trains from θ_0 and after task t the vectors of tasks 0..t
+λ = `lam` = 1 and the rest are the authors' code's example (prateeky2806/ties-merging,
+`ties_minimal.ipynb`: K = 20, elect "mass", "dis-mean", lamda = 1; the paper tunes λ on
+validation data). In the stream: with `init=base` (default) every task trains from θ_0 and after task t the vectors of tasks 0..t
 are merged; the trimmed vectors are kept (t + 1 copies of the trained weights, CPU in the
 checkpoint: memory grows with the stream). Wraps a base method (`base=NAME`, default seqft),
 see `cvl.methods.merging`.

@@ -34,16 +34,18 @@ reference set, an L2 pull to the task's starting weights, and a weight ensemble 
 
 Total: the base method's loss + `weight`·L_ref (+ the L2 term).
 
-**Where the paper and the code differ, and the options.** The paper (Eq. 5–6) writes the
-distillation as a cross-entropy over both the image and the text encoders' outputs with the
-student's own features, at temperature 1 and without L2; the code is the default here:
-`temp` (2; 1 = the paper), `temp_squared` (true: the T² factor, Hinton et al.; the paper has
-none), `directions` (`sum`: both terms with weight 1, the code's `--image_loss --text_loss`;
-`mean`: their average, cvl's earlier behaviour; `image`: the image → text term only),
-`pairing` (`teacher_text`: the code; `student`: the student's own text features in the
-student's logits, distilling both towers, as the paper writes it), `scale` (`teacher`: the
-teacher's logit scale for both, the code; `own`: each model's), `we_every` (100; cvl used 10),
-`l2` (1; 0 = the paper).
+**The code is the default; each choice is an option**, the alternative being cvl's earlier
+reading of the paper's description (a symmetric similarity-logit KL of the student's own image
+and text features, as LwF's `variant=logits`): `temp` (2; 1), `temp_squared` (true: the
+code's T² factor, Hinton et al.'s; false), `directions` (`sum`: both terms with weight 1, the
+code's `--image_loss --text_loss`; `mean`: their average, cvl's earlier; `image`: the image →
+text term only, `--image_loss` alone), `pairing` (`teacher_text`: the code; `student`: the
+student's own text features in its logits, distilling both towers), `scale` (`teacher`: the
+code; `own`: each model's), `we_every` (100, `--avg_freq`; cvl used 10), `l2` (1, the
+script's `--l2 1`; 0 = off, as cvl had it). The paper's text was not available here to check
+its own equations against the code (the temperature, the L2 and the pairing are not visible
+in its abstract); what is stated above of the code was read in `finetune.py` and
+`helpers.py` (`distillation`, `merge_we`, `l2_loss`).
 
 Combining with other methods: like `wise`, `zscl` wraps a base method (`--method-arg
 base=NAME`, default `seqft`, every other `--method-arg` goes to it), e.g. `--method zscl

@@ -42,7 +42,8 @@ always hold the plain merged weights under the model's own key names (`cvl.model
 writes the effective weights of an adapted model), so `cvl eval`, analysis and `cvl export`
 are unchanged; the mid-task checkpoint adds `tune.safetensors` (adapters and base weights) for
 an exact resume. Methods see the parametrised model: their importance, anchors and path
-integrals cover its trainable parameters (the adapters); frozen copies (`frozen_copy`: old,
+integrals cover its trainable parameters (the adapters; IncCLIP's weight-norm clipping and
+DHA's blending act on them too); frozen copies (`frozen_copy`: old,
 reference and teacher models) are plain merged copies; weight-space methods (WiSE, the
 merges, ZSCL's weight ensemble) read and write the effective weights (`effective_state`,
 `assign_`), restricted to the tensors the mode trains (`trained_names`).

@@ -34,6 +34,7 @@ from typing import Any
 
 import click
 
+from cvl.device import deterministic_option, device_option
 from cvl.errors import CvlError
 from cvl.io import atomic_write_bytes, read_json, write_json
 
@@ -195,6 +196,7 @@ class LabelOptions:
     num_workers: int = 0
     overwrite: bool = False
     progress: bool = True
+    device: str = "auto"  # one process: where the classifier runs (cvl.device); not in the key
 
 
 def _fingerprint(manifest: Any, opts: LabelOptions, n_classes: int, n_units: int) -> dict:
@@ -237,10 +239,14 @@ def label_stream(stream: str | os.PathLike, opts: LabelOptions, accelerator: Any
                 "pass --name or --overwrite"
             )
         if info.get("stream") != manifest.fingerprint:
-            raise CvlError(f"{folder}: labels of an earlier version of the stream; pass --overwrite")
+            raise CvlError(
+                f"{folder}: labels of an earlier version of the stream; pass --overwrite"
+            )
         return {**info, "already_complete": True}
+    from cvl.device import resolve_device
+
     model, processor, classes = load_classifier(opts.model)
-    device = acc.device if acc is not None else torch.device("cpu")
+    device = acc.device if acc is not None else resolve_device(opts.device)
     model.to(device)
     parts = stream_parts(manifest)
     units, left_out = plan_units(parts, opts.unit_size)
@@ -274,6 +280,7 @@ def label_stream(stream: str | os.PathLike, opts: LabelOptions, accelerator: Any
         batch_sampler=batches,
         collate_fn=_collate,
         num_workers=opts.num_workers,
+        pin_memory=device.type == "cuda",
     )
     bar = tqdm(
         total=len(entries),
@@ -290,7 +297,7 @@ def label_stream(stream: str | os.PathLike, opts: LabelOptions, accelerator: Any
         for b, items in enumerate(loader):
             good = [it for it in items if it["x"] is not None]
             if good:
-                x = torch.stack([it["x"] for it in good]).to(device)
+                x = torch.stack([it["x"] for it in good]).to(device, non_blocking=True)
                 logits = model(pixel_values=x).logits.float()
                 if logits.shape[-1] != len(classes):
                     raise CvlError(
@@ -319,6 +326,8 @@ def label_stream(stream: str | os.PathLike, opts: LabelOptions, accelerator: Any
         "images": sum(u.stop - u.start for u in todo),
         "units": len(todo),
         "processes": world,
+        "device": str(device),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
         "seconds": round(time.perf_counter() - t0, 3),  # loop + waiting for the slowest rank
     }
     info: dict[str, Any] = {}
@@ -411,17 +420,6 @@ def _positive(ctx: click.Context, param: click.Parameter, value: int) -> int:
     return value
 
 
-def _accelerator() -> Any:
-    """An Accelerator when launched with several processes (accelerate launch / torchrun)."""
-    import torch
-
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        from accelerate import Accelerator
-
-        return Accelerator(cpu=not torch.cuda.is_available())
-    return None
-
-
 @click.command("pseudo-label")
 @click.option(
     "--stream",
@@ -454,6 +452,8 @@ def _accelerator() -> Any:
 )
 @click.option("--overwrite", is_flag=True, help="Discard existing or unfinished labels.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
+@device_option
+@deterministic_option
 def pseudo_label(
     stream: str,
     model: str,
@@ -463,6 +463,8 @@ def pseudo_label(
     workers: int,
     overwrite: bool,
     quiet: bool,
+    device: str,
+    deterministic: bool | None,
 ) -> None:
     """Top-1 class, label and confidence of every image of a stream (IncCLIP's BEiT step).
 
@@ -485,8 +487,12 @@ def pseudo_label(
         num_workers=workers,
         overwrite=overwrite,
         progress=not quiet,
+        device=device,
     )
-    acc = _accelerator()
+    from cvl.device import determinism, model_runner
+
+    acc, dev = model_runner(device)
+    click.get_current_context().with_resource(determinism(deterministic, dev))  # until return
     info = label_stream(stream, opts, acc)
     if acc is None or acc.is_main_process:
         folder = labels_folder(stream, opts.name or default_name(model))

@@ -385,13 +385,14 @@ def eval_loader(
 ) -> DataLoader:
     """In-order batches of this rank's contiguous part of the dataset (gather + trim after).
 
-    With workers (forked, 2 batches prefetched each) the batches still come in order;
+    With workers (forked, 2 batches prefetched each) the batches still come in order; a part
+    of one batch is read in this process (nothing to overlap; a worker costs a fork).
     `pin_memory` for CUDA."""
     n = len(dataset)
     per = -(-n // world)
     idx = list(range(rank * per, min(n, (rank + 1) * per)))
     batches = [idx[s : s + batch_size] for s in range(0, len(idx), batch_size)]
-    workers = min(num_workers, len(batches))
+    workers = min(num_workers, len(batches)) if len(batches) > 1 else 0
     kw: dict[str, Any] = {}
     if workers > 0:
         kw["prefetch_factor"] = 2

@@ -199,32 +199,32 @@ def embed_dataset(
                 tok = model.tokenizer(list(batch["caption"])).to(device)
                 out = model(images, tok)
                 cls = model.fusion_cls(out["image_embeds"], tok)
-                fus.append(torch.nn.functional.normalize(cls.float(), dim=-1).cpu())
-                imgs.append(out["image_features"].float().cpu())
-            else:
-                imgs.append(model.encode_image(images).float().cpu())
+                fus.append(torch.nn.functional.normalize(cls.float(), dim=-1))
+                imgs.append(out["image_features"].float())
+            else:  # features stay on the device until the end: no sync per batch
+                imgs.append(model.encode_image(images).float())
             ids.extend(batch["id"])
             cats.extend(batch["category"])
             tasks.extend(batch["task"])
             caps_per_item.extend(
                 batch["captions"] if all_captions else [[c] for c in batch["caption"]]
             )
-        local_img = torch.cat(imgs) if imgs else torch.zeros(0, model.embed_dim)
+        local_img = torch.cat(imgs).cpu() if imgs else torch.zeros(0, model.embed_dim)
         # Texts: this rank's captions (tokens kept with the set), then gather.
         flat = [c for cs in caps_per_item for c in cs] if texts else []
-        tokens = _tokens(model, flat, batch_size, store, tok_key) if flat else None
+        tokens = _tokens(model, flat, batch_size, store, tok_key).to(device) if flat else None
         txts = []
         for s in range(0, len(flat), batch_size):
-            tok = tokens[s : s + batch_size].to(device, non_blocking=pin)
-            txts.append(model.encode_text(tok).float().cpu())
-    local_txt = torch.cat(txts) if txts else torch.zeros(0, model.embed_dim)
+            tok = tokens[s : s + batch_size]
+            txts.append(model.encode_text(tok).float())
+    local_txt = torch.cat(txts).cpu() if txts else torch.zeros(0, model.embed_dim)
     n_bad = batches.n_bad
     if world > 1:
         from accelerate.utils import gather_object
 
         image_features = _gather_rows_var(local_img, accelerator)
         if fusion:
-            local_fus = torch.cat(fus) if fus else torch.zeros(0, 1)
+            local_fus = torch.cat(fus).cpu() if fus else torch.zeros(0, 1)
             fus = [_gather_rows_var(local_fus, accelerator)]
         parts = gather_object([(ids, cats, tasks, caps_per_item, n_bad)])
         ids, cats, tasks, caps_per_item, n_bad = [], [], [], [], 0
@@ -259,7 +259,7 @@ def embed_dataset(
         ids=list(ids),
         categories=list(cats),
         tasks=list(tasks),
-        extra={"fusion": torch.cat(fus)} if fusion and fus else {},
+        extra={"fusion": torch.cat(fus).cpu()} if fusion and fus else {},
     )
 
 

@@ -224,10 +224,10 @@ def embed_images(
         for b in tqdm(batches, desc="images", disable=not progress or rank != 0, leave=False):
             if b["image"] is not None:
                 x = tf.normalize(b["image"].to(device, non_blocking=pin))
-                out.append(model.encode_image(x).float().cpu())
+                out.append(model.encode_image(x).float())  # on the device until the end
     if batches.errors:
         raise CvlError(batches.errors[0])
-    local = torch.cat(out) if out else torch.zeros(0, model.embed_dim)
+    local = torch.cat(out).cpu() if out else torch.zeros(0, model.embed_dim)
     return _gather_rows_var(local, accelerator) if world > 1 else local
 
 

@@ -55,7 +55,7 @@ def test_eval_auto_moves_the_model_to_cuda_when_torch_sees_one(run, tmp_path, mo
 
     asked = []
 
-    def load(run_d, path, device):  # noqa: ANN001, ANN202
+    def load(run_d, path, device, model=None):  # noqa: ANN001, ANN202
         asked.append(device)
         raise _Stop
 

@@ -189,13 +189,15 @@ def _hash(d: Any) -> str:
 
 
 # -- the whole run -----------------------------------------------------------------------------
-def _load_model(run_d: dict[str, Any], path: Path, device: Any) -> Any:
+def _load_model(run_d: dict[str, Any], path: Path, device: Any, model: Any = None) -> Any:
+    """The checkpoint's weights in `model` (the previous checkpoint's: every checkpoint of a
+    run has the same architecture, so it is built, and randomly initialised, only once)."""
     from cvl.models import load_weights, model_from_config
 
-    model = model_from_config(run_d["model"])
+    if model is None:
+        model = model_from_config(run_d["model"]).to(device)
     load_weights(model, path)
-    model.eval()
-    return model.to(device)
+    return model.eval()
 
 
 def _columns(run_d: dict[str, Any], manifest: Any) -> list[str]:
@@ -270,6 +272,7 @@ def evaluate_run(
     }
     results: dict[str, dict[str, Any]] = {}
     evaluated, reused = [], []
+    model = None
     bar = tqdm(cks, desc="checkpoints", disable=not (opts.progress and main), leave=False)
     for ck in bar:
         key = {
@@ -289,7 +292,9 @@ def evaluate_run(
                 cached = None
         if ck in todo and (cached is None or opts.force):
             bar.set_postfix_str(ck.label)
-            res = _evaluate_one(run_d, ck, manifest, columns, opts, settings)
+            t0 = time.perf_counter()
+            model = _load_model(run_d, ck.path, settings.device, model)
+            res = _evaluate_one(model, ck, manifest, columns, opts, settings, t0)
             if main:
                 write_json(cfile, {"key_hash": h, "key": key, "result": res})
             results[ck.label] = res
@@ -305,16 +310,15 @@ def evaluate_run(
 
 
 def _evaluate_one(
-    run_d: dict[str, Any],
+    model: Any,
     ck: Checkpoint,
     manifest: Any,
     columns: list[str],
     opts: EvalOptions,
     settings: EmbedSettings,
+    t0: float,
 ) -> dict[str, Any]:
     """One checkpoint's results (the cache file's `result`), with where they were computed."""
-    t0 = time.perf_counter()
-    model = _load_model(run_d, ck.path, settings.device)
     res = evaluate_checkpoint(model, manifest, columns, ck.index + 1, opts, settings)
     res["folders"] = {}
     if opts.zs_folders:
@@ -329,7 +333,6 @@ def _evaluate_one(
                 settings.progress,
                 **settings.kwargs(),
             )
-    del model
     acc = settings.accelerator
     res["runtime"] = {
         "device": str(settings.device),

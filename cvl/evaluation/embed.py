@@ -174,21 +174,13 @@ def embed_dataset(
     pin = device.type == "cuda"
     was_training = model.training
     model.eval()
-    tf = ds.transform
-    set_key = tok_key = None
-    if isinstance(tf, EvalTransform):
-        items: Dataset = _PairItems(ds, tf.to_uint8)
-        collate_fn, prepare = collate_kept, tf.normalize
-        if store is not None:
-            refs = [(e.shard, e.key, e.image) for e in ds.entries]
-            set_key = store.key("pairs", repr(tf.to_uint8), rank, world, refs)
-            tok_key = store.key(set_key, _tokenizer_id(model), all_captions)
-    else:  # another transform: the dataset's own items, float tensors, nothing kept
-        items, collate_fn, prepare = ds, _collate_pairs, (lambda x: x)
+    items, collate_fn, prepare, set_key, tok_key = _source(model, ds, store, rank, world)
+    if tok_key is not None:
+        tok_key = store.key(tok_key, all_captions)
     batches = ImageBatches(
         items, batch_size, rank, world, num_workers, pin, store, set_key, collate_fn
     )
-    imgs, ids, cats, tasks, caps_per_item, fus = [], [], [], [], [], []
+    imgs, fus, meta = [], [], {"id": [], "category": [], "task": [], "captions": []}
     bar = tqdm(batches, desc=desc, disable=not progress or rank != 0, leave=False)
     with autocast(device, precision):
         for batch in bar:
@@ -203,64 +195,82 @@ def embed_dataset(
                 imgs.append(out["image_features"].float())
             else:  # features stay on the device until the end: no sync per batch
                 imgs.append(model.encode_image(images).float())
-            ids.extend(batch["id"])
-            cats.extend(batch["category"])
-            tasks.extend(batch["task"])
-            caps_per_item.extend(
-                batch["captions"] if all_captions else [[c] for c in batch["caption"]]
-            )
-        local_img = torch.cat(imgs).cpu() if imgs else torch.zeros(0, model.embed_dim)
-        # Texts: this rank's captions (tokens kept with the set), then gather.
-        flat = [c for cs in caps_per_item for c in cs] if texts else []
+            for k in ("id", "category", "task"):
+                meta[k].extend(batch[k])
+            caps = batch["captions"] if all_captions else [[c] for c in batch["caption"]]
+            meta["captions"].extend(caps)
+        # Texts: this rank's captions (tokens kept with the set).
+        flat = [c for cs in meta["captions"] for c in cs] if texts else []
         tokens = _tokens(model, flat, batch_size, store, tok_key).to(device) if flat else None
-        txts = []
-        for s in range(0, len(flat), batch_size):
-            tok = tokens[s : s + batch_size]
-            txts.append(model.encode_text(tok).float())
-    local_txt = torch.cat(txts).cpu() if txts else torch.zeros(0, model.embed_dim)
+        txts = [
+            model.encode_text(tokens[s : s + batch_size]).float()
+            for s in range(0, len(flat), batch_size)
+        ]
+    empty = torch.zeros(0, model.embed_dim)
+    feats = {
+        "image": torch.cat(imgs).cpu() if imgs else empty,
+        "text": torch.cat(txts).cpu() if txts else empty,
+        "fusion": torch.cat(fus).cpu() if fus else None,
+    }
+    if fusion and feats["fusion"] is None:  # this rank's part had no readable sample
+        feats["fusion"] = torch.zeros(0, 1)
     n_bad = batches.n_bad
     if world > 1:
-        from accelerate.utils import gather_object
-
-        image_features = _gather_rows_var(local_img, accelerator)
-        if fusion:
-            local_fus = torch.cat(fus).cpu() if fus else torch.zeros(0, 1)
-            fus = [_gather_rows_var(local_fus, accelerator)]
-        parts = gather_object([(ids, cats, tasks, caps_per_item, n_bad)])
-        ids, cats, tasks, caps_per_item, n_bad = [], [], [], [], 0
-        for p in parts:
-            ids += p[0]
-            cats += p[1]
-            tasks += p[2]
-            caps_per_item += p[3]
-            n_bad += p[4]
-        counts = [len(c) if texts else 0 for c in caps_per_item]
-        text_features = _gather_rows_var(local_txt, accelerator)
-        assert text_features.shape[0] == sum(counts)
-    else:
-        image_features, text_features = local_img, local_txt
-        counts = [len(c) if texts else 0 for c in caps_per_item]
+        feats, meta, n_bad = _gather(accelerator, feats, meta, n_bad)
     if n_bad:
         ds.skipped["unreadable"] = n_bad
     if rank == 0:
         _warn_left_out(ds)
-    if not ids:
+    if not meta["id"]:
         raise CvlError(f"{ds.name or desc}: every sample failed to decode")
-    text_to_image = torch.repeat_interleave(
-        torch.arange(len(counts)), torch.tensor(counts, dtype=torch.long)
-    )
+    counts = [len(c) if texts else 0 for c in meta["captions"]]
     if was_training:
         model.train()
     return Embeddings(
-        image_features=image_features,
-        text_features=text_features,
-        text_to_image=text_to_image,
-        captions=[c for cs in caps_per_item for c in cs] if texts else [],
-        ids=list(ids),
-        categories=list(cats),
-        tasks=list(tasks),
-        extra={"fusion": torch.cat(fus).cpu()} if fusion and fus else {},
+        image_features=feats["image"],
+        text_features=feats["text"],
+        text_to_image=torch.repeat_interleave(
+            torch.arange(len(counts)), torch.tensor(counts, dtype=torch.long)
+        ),
+        captions=[c for cs in meta["captions"] for c in cs] if texts else [],
+        ids=list(meta["id"]),
+        categories=list(meta["category"]),
+        tasks=list(meta["task"]),
+        extra={"fusion": feats["fusion"]} if fusion else {},
     )
+
+
+def _source(
+    model: Any, ds: PairDataset, store: ImageStore | None, rank: int, world: int
+) -> tuple[Dataset, Any, Any, str | None, str | None]:
+    """How `ds`'s samples reach the model: (items, collate, prepare-on-device, the set's store
+    key, the start of its tokens' key). The model's eval transform (`EvalTransform`): uint8
+    items, samples that fail left out, normalised on the device, kept in the store. Another
+    transform: the dataset's own float items, nothing kept."""
+    tf = ds.transform
+    if not isinstance(tf, EvalTransform):
+        return ds, _collate_pairs, (lambda x: x), None, None
+    set_key = tok_key = None
+    if store is not None:
+        refs = [(e.shard, e.key, e.image) for e in ds.entries]
+        set_key = store.key("pairs", repr(tf.to_uint8), rank, world, refs)
+        tok_key = store.key(set_key, _tokenizer_id(model))
+    return _PairItems(ds, tf.to_uint8), collate_kept, tf.normalize, set_key, tok_key
+
+
+def _gather(
+    accelerator: Any, feats: dict[str, Any], meta: dict[str, list], n_bad: int
+) -> tuple[dict[str, Any], dict[str, list], int]:
+    """Every rank's features and metadata, in rank order (parts of any size)."""
+    from accelerate.utils import gather_object
+
+    out = {k: _gather_rows_var(v, accelerator) if v is not None else None for k, v in feats.items()}
+    parts = gather_object([(meta, n_bad)])
+    merged: dict[str, list] = {k: [] for k in meta}
+    for m, _ in parts:
+        for k in merged:
+            merged[k] += m[k]
+    return out, merged, sum(b for _, b in parts)
 
 
 def concat_embeddings(parts: list[Embeddings]) -> Embeddings:
@@ -283,6 +293,21 @@ def concat_embeddings(parts: list[Embeddings]) -> Embeddings:
         tasks=[t for p in parts for t in p.tasks],
         extra={k: torch.cat([p.extra[k] for p in parts]) for k in sorted(keys)},
     )
+
+
+def _gather_rows(x: torch.Tensor, accelerator: Any, n: int) -> torch.Tensor:
+    """Gather contiguous per-rank parts of n rows (training-side callers: DER, IncCLIP, loop)."""
+    if accelerator is None or accelerator.num_processes == 1:
+        return x
+    # Ranks hold contiguous, possibly unequal parts: pad to the same length, gather, trim.
+    per = -(-n // accelerator.num_processes)
+    pad = torch.zeros((per - x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    g = accelerator.gather(torch.cat([x, pad]).to(accelerator.device)).cpu()
+    keep = [
+        g[r * per : r * per + min(per, max(0, n - r * per))]
+        for r in range(accelerator.num_processes)
+    ]
+    return torch.cat(keep)
 
 
 def _gather_rows_var(x: torch.Tensor, accelerator: Any) -> torch.Tensor:

@@ -224,7 +224,7 @@ def whole_bench(run: Path, stream: Path, args: argparse.Namespace, device: torch
             with best.time(name), contextlib.redirect_stdout(io.StringIO()):  # not the tables
                 assert main([*argv, *extra]) == 0
             met = json.loads((run / "eval" / "metrics.json").read_text())
-            store_stats[name] = met["image_store"]
+            store_stats[name] = met["timing"]["image_store"]
     return {
         "checkpoints": len(cks),
         "test_sets": len(sets),

@@ -136,6 +136,8 @@ def determinism(flag: bool | None, device: torch.device | str) -> Iterator[bool]
     """`apply_determinism` for the length of a command, yielding the mode in force; torch's
     previous mode is put back afterwards, so a caller in the same process (a test, a notebook
     calling `cvl.cli.main`) does not inherit it."""
+    import torch
+
     prev = (
         torch.are_deterministic_algorithms_enabled(),
         torch.backends.cudnn.deterministic,

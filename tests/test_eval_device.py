@@ -123,7 +123,7 @@ def test_workers_and_image_store_give_identical_metrics(run, tmp_path):
     w2_plain = _eval(run, tmp_path / "w2n", "--workers", "2", "--image-cache-mb", "0")
     assert _numbers(stored) == _numbers(plain) == _numbers(w2_plain)
     assert {r["workers"] for r in stored["runtime"].values()} == {2}
-    s, p = stored["image_store"], plain["image_store"]
+    s, p = stored["timing"]["image_store"], plain["timing"]["image_store"]
     n_ck = 3  # init + 2 tasks
     assert p["images_reused"] == 0 and p["images_decoded"] % n_ck == 0
     once = p["images_decoded"] // n_ck  # every set's images, one checkpoint's worth
@@ -283,7 +283,7 @@ def test_two_processes_give_the_same_metrics_as_one(run, tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_eval_on_cuda_matches_the_cpu(run, tmp_path):
+def test_eval_on_cuda_records_the_device_and_ranks_as_the_cpu(run, tmp_path):
     """`cvl eval --device cuda`: the model, the embedding passes, the similarity blocks and the
     ranking on the GPU; the metrics equal the CPU's up to float32 rounding of near-ties."""
     cpu = _eval(run, tmp_path / "cpu", "--device", "cpu")

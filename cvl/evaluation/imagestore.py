@@ -25,6 +25,7 @@ import torch
 from torch.utils.data import Dataset
 
 from cvl.data.reader import eval_loader
+from cvl.evaluation.options import DEFAULT_IMAGE_CACHE_MB
 
 
 def collate_kept(items: list[dict[str, Any]]) -> dict[str, Any]:
@@ -61,7 +62,7 @@ class StoredSet:
 class ImageStore:
     """Eval sets decoded once and kept, within `budget_mb` (0 = keep nothing)."""
 
-    budget_mb: int = 1024
+    budget_mb: int = DEFAULT_IMAGE_CACHE_MB
     used: int = 0  # bytes kept (images + tokens)
     sets: dict[str, StoredSet] = field(default_factory=dict)
     tokens: dict[str, torch.Tensor] = field(default_factory=dict)

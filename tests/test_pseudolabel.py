@@ -8,7 +8,6 @@ classifier weights are drawn with std 1 (not 0.02) so its top-1 classes vary acr
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -288,7 +287,9 @@ def _free_port() -> int:
 def test_two_processes_give_the_same_labels(labelled, synth_stream, tiny_beit, tmp_path):
     s = tmp_path / "synth"
     shutil.copytree(synth_stream, s)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CVL_TEST_THREADS": "1"}
+    from device_helpers import dist_env
+
+    env = dist_env(2)
     cmd = [
         sys.executable,
         "-m",

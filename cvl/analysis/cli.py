@@ -23,6 +23,35 @@ def _positive(ctx: click.Context, param: click.Parameter, value: int | None) -> 
     return value
 
 
+def _check_compare(compare: tuple[str, str] | None) -> None:
+    """--compare takes two run folders: an option swallowed as the second is named as such,
+    and the same run twice is worth a warning (the two tables are the same)."""
+    if compare is None:
+        return
+    opt = [v for v in compare if v.startswith("-")]
+    if opt:
+        raise CvlError(
+            f"--compare takes two run folders (R1 R2), got {compare[0]!r} and the option "
+            f"{opt[-1]!r}: give both runs right after --compare"
+        )
+    a, b = (Path(p).resolve() for p in compare)
+    if a == b:
+        click.echo(
+            f"warning: --compare names the same run twice ({compare[0]}): both sides are equal",
+            err=True,
+        )
+
+
+def _lock(run: str | Path, dest: Path):  # noqa: ANN202 (FolderLock)
+    """The lock of the folder the analysis writes (one writer at a time, `cvl.lock`); the run
+    is checked first, so a wrong path creates nothing."""
+    from cvl.lock import FolderLock
+    from cvl.runs import load_run
+
+    load_run(run)
+    return FolderLock(dest).acquire()
+
+
 @analyze.command("rotation")
 @click.option("--run", "run_dir", type=click.Path(file_okay=False), help="Run folder to analyse.")
 @click.option(
@@ -125,6 +154,7 @@ def rotation_cmd(
 
     if (run_dir is None) == (compare is None):
         raise CvlError("give exactly one of --run RUN or --compare R1 R2")
+    _check_compare(compare)
     dev = resolve_device(device)
     click.get_current_context().with_resource(determinism(deterministic, dev))  # until return
     kw = dict(
@@ -143,8 +173,9 @@ def rotation_cmd(
         store=ImageStore(DEFAULT_IMAGE_CACHE_MB),  # the eval set decoded once, for both runs
     )
     if run_dir is not None:
-        res = rot.analyze_run(run_dir, **kw)
         dest = Path(out) if out else Path(run_dir) / "analysis"
+        lock = _lock(run_dir, dest)  # noqa: F841 (held until the command ends)
+        res = rot.analyze_run(run_dir, **kw)
         written = rot.write_result(res, dest, plots=not no_plots)
         if not quiet:
             click.echo(rot.result_markdown(res))
@@ -155,6 +186,7 @@ def rotation_cmd(
         if n1 == n2:
             n1, n2 = f"{n1}-A", f"{n2}-B"
         dest = Path(out) if out else r1 / "analysis" / f"compare-{n2}"
+        lock = _lock(r1, dest)  # noqa: F841
         res1 = rot.analyze_run(r1, **kw)
         res2 = rot.analyze_run(r2, **kw)
         written = rot.write_result(res1, dest / n1, plots=not no_plots)

@@ -17,6 +17,16 @@ def _positive(ctx: click.Context, param: click.Parameter, value: int) -> int:
     return value
 
 
+def _lock_eval(run: str, out: str | None, acc):  # noqa: ANN202 (FolderLock | None)
+    """The lock of the folder an evaluation writes (OUT, or RUN/eval): one writer at a time
+    (`cvl.lock`); RUN is checked first, so a wrong path creates nothing."""
+    from cvl.lock import lock_on_main
+    from cvl.runs import load_run
+
+    load_run(run)
+    return lock_on_main(Path(out) if out else Path(run) / "eval", acc)
+
+
 def _existing_metrics(run: Path) -> dict | None:
     """RUN/eval/metrics.json when it covers every finished task checkpoint, else None."""
     from cvl.io import read_json
@@ -225,9 +235,12 @@ def eval_cmd(
             if m is not None:
                 ms.append(m)
                 continue
+            lock = _lock_eval(r, None, acc)
             m = evaluate_run(r, opts, acc, store=store)
             if main:  # tables only: `cvl eval --run R` writes the run's own plots (from cache)
                 write_outputs(m, Path(r) / "eval", plots=False)
+            if lock is not None:
+                lock.release()
             ms.append(m)
         if main:
             click.echo(render_compare(ms))
@@ -241,6 +254,7 @@ def eval_cmd(
         )
     if not run:
         raise CvlError("Missing option '--run' (the run folder to evaluate)")
+    lock = _lock_eval(run, out, acc)  # noqa: F841 (held until the command ends)
     m = evaluate_run(run, opts, acc, out, store=store)
     if not main:
         return

@@ -174,10 +174,10 @@ class _FolderItems(torch.utils.data.Dataset):
         return len(self.paths)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        from PIL import Image
+        from cvl.data.images import open_image
 
         try:
-            with Image.open(self.paths[i]) as im:
+            with open_image(self.paths[i]) as im:  # MAX_PIXELS checked from the header
                 return {"image": self.to_uint8(im.convert("RGB"))}
         except Exception as e:  # a corrupt file is a user problem worth naming
             return {"image": None, "error": f"{self.paths[i]}: cannot read image ({e})"}

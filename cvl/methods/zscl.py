@@ -36,6 +36,7 @@ import torch
 
 from cvl.data.reader import PairDataset, collate, rank_slice, sample_seed
 from cvl.data.transforms import image_transform
+from cvl.device import to_device
 from cvl.errors import CvlError
 from cvl.methods.base import TaskContext, frozen_copy
 from cvl.methods.lwf import logit_kd
@@ -108,7 +109,7 @@ class ZSCL(Wrapper):
         )
         idx = torch.randint(len(self.ref), (n,), generator=g).tolist()
         b = collate([self.ref[i] for i in rank_slice(idx, rank, world)])
-        return {k: b[k].to(ctx.device) for k in ("image", "text")}
+        return {k: to_device(b[k], ctx.device) for k in ("image", "text")}  # no host sync
 
     def loss(
         self, batch: dict[str, Any], out: dict[str, torch.Tensor], ctx: TaskContext

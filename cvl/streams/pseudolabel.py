@@ -36,7 +36,14 @@ import click
 
 from cvl.device import deterministic_option, device_option
 from cvl.errors import CvlError
-from cvl.io import atomic_write_bytes, read_json, write_json
+from cvl.io import (
+    atomic_write_bytes,
+    check_overwrite,
+    output_kind,
+    read_json,
+    write_json,
+    write_marker,
+)
 
 LABELS_DIR = "labels"
 LABELS_SCHEMA = "cvl.labels/1"
@@ -159,10 +166,7 @@ class _Images:
         return len(self.entries)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        import io
-
-        from PIL import Image
-
+        from cvl.data.images import open_image
         from cvl.data.reader import _FILES
 
         e = self.entries[i]
@@ -173,7 +177,7 @@ class _Images:
         except (ValueError, UnicodeDecodeError):
             pass
         try:
-            img = Image.open(io.BytesIO(_FILES.read(e.shard, e.image)))
+            img = open_image(_FILES.read(e.shard, e.image))  # MAX_PIXELS checked first
             img.load()
             x = self.processor(images=img.convert("RGB"), return_tensors="pt")["pixel_values"][0]
             err = None
@@ -216,7 +220,24 @@ def _barrier(acc: Any) -> None:
 
 
 def label_stream(stream: str | os.PathLike, opts: LabelOptions, accelerator: Any = None) -> dict:
-    """Label every image of `stream` (resuming earlier work); returns labels.json's content."""
+    """Label every image of `stream` (resuming earlier work); returns labels.json's content.
+
+    The labels folder is locked for the run (rank 0 holds it, `cvl.lock`): two labelling
+    processes never write the same folder."""
+    from cvl.lock import lock_on_main
+
+    name = opts.name or default_name(opts.model)
+    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*", name):
+        raise CvlError(f"--name {name!r}: use letters, digits, '_', '-' and '.' (a folder name)")
+    lock = lock_on_main(labels_folder(stream, name), accelerator)
+    try:
+        return _label_stream(stream, opts, accelerator)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _label_stream(stream: str | os.PathLike, opts: LabelOptions, accelerator: Any) -> dict:
     import torch
     from tqdm import tqdm
 
@@ -253,6 +274,7 @@ def label_stream(stream: str | os.PathLike, opts: LabelOptions, accelerator: Any
     fp = _fingerprint(manifest, opts, len(classes), len(units))
     if main:
         if opts.overwrite and folder.exists():
+            check_overwrite(folder, "labels")  # only labels cvl wrote are discarded
             shutil.rmtree(folder)
         prog = parts_dir / PROGRESS_FILE
         if prog.is_file() and read_json(prog) != fp:
@@ -261,6 +283,8 @@ def label_stream(stream: str | os.PathLike, opts: LabelOptions, accelerator: Any
                 f"or --unit-size; see {prog}); rerun with those or pass --overwrite"
             )
         write_json(prog, fp)
+        if output_kind(folder) is None:
+            write_marker(folder, "labels")
     _barrier(acc)
     todo = [u for u in units if not (parts_dir / u.file).is_file()]  # every rank lists ...
     _barrier(acc)  # ... before any rank writes a new unit

@@ -8,7 +8,7 @@ TORCH_PIN := torch==2.14.1 torchvision==0.29.1
 DEMO_DIR ?= demo-out
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: venv demo test smoke lint format bench clean
+.PHONY: venv demo test smoke lint format bench gpu-check clean
 
 venv: $(STAMP)
 
@@ -41,6 +41,14 @@ format: $(STAMP)
 
 bench: $(STAMP)
 	for b in benchmarks/bench_*.py; do $(BIN)/python $$b || exit 1; done
+
+# Check a GPU install (benchmarks/gpu_check.py): the tests marked `gpu`, then a short benchmark
+# (bare open_clip step vs cvl's, old-model methods vs SeqF, ViT-B-32 / 224 px / bf16), one
+# table. No venv, no network: it runs with an existing Python, .venv's when there is one, else
+# $(PY); an explicit `make gpu-check PY=python3` wins. Exits non-zero without a CUDA device.
+GPU_PY = $(if $(filter command line,$(origin PY)),$(PY),$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)))
+gpu-check:
+	$(GPU_PY) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(DEMO_DIR) .pytest_cache

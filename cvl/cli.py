@@ -62,6 +62,10 @@ for _mod, _attr in SUBCOMMANDS:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script; returns the exit code."""
     debug = os.environ.get("CVL_DEBUG") == "1"
+    from cvl.lock import held_locks, release_all, set_command
+
+    set_command(["cvl", *(sys.argv[1:] if argv is None else argv)])  # named in folder locks
+    held = held_locks()
     try:
         rv = cli.main(args=argv, prog_name="cvl", standalone_mode=False)
         return rv if isinstance(rv, int) else 0
@@ -83,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
         return 130
+    finally:
+        release_all(keep=held)  # the folder locks the command took end with it
 
 
 if __name__ == "__main__":

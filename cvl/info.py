@@ -63,8 +63,10 @@ def describe_run(path: Path) -> list[str]:
             f"tune {tu['mode']}{f' ({args})' if args else ''}: {tu['trainable_params']:,} of "
             f"{tu['total_params']:,} parameters train ({100 * tu['trainable_share']:.2f} %)"
         )
+    from cvl.runs import finished_tasks
+
     tasks_dir = path / "tasks"
-    done = sorted(p.name for p in tasks_dir.iterdir() if p.is_dir()) if tasks_dir.is_dir() else []
+    done = [c.path.name for c in finished_tasks(path)]  # never a killed writer's temp folder
     order = run.get("stream", {}).get("task_order") or []
     lines.append(f"finished tasks: {len(done)}/{len(order) or '?'}  {' '.join(done)}")
     for d in done:  # data and numeric faults the run survived (task.json)
@@ -76,8 +78,23 @@ def describe_run(path: Path) -> list[str]:
         )
         if faults:
             lines.append(f"  {d}: " + ", ".join(f"{k} {v}" for k, v in sorted(faults.items())))
+    for ch in run.get("changes") or []:  # config changes made with --force
+        fields = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in ch.get("fields", {}).items())
+        lines.append(
+            f"changed with --force from task {ch.get('task_index')} ({ch.get('task')}), step "
+            f"{ch.get('step')}: {fields or 'stream'}"
+        )
     if (path / "last").is_dir():
-        lines.append("a mid-task checkpoint exists in last/ (rerun `cvl train` to resume)")
+        try:
+            pos = read_json(path / "last" / "position.json")
+        except CvlError:  # written last: a checkpoint killed before it has none
+            pos = {}
+        where = (
+            f"task {pos['task_index']} ({pos.get('task')}) stopped at step {pos['step']}: "
+            if "step" in pos and "task_index" in pos
+            else ""
+        )
+        lines.append(f"{where}a mid-task checkpoint exists in last/ (rerun `cvl train` to resume)")
     if (path / "eval" / "metrics.json").is_file():
         lines.append(f"evaluated: {path / 'eval' / 'metrics.json'}")
     return lines

@@ -1,17 +1,25 @@
-"""Small file-system helpers shared by every step: atomic folders and files, JSON."""
+"""Small file-system helpers shared by every step: atomic folders and files, JSON, and the
+safety rules of output folders (what `--overwrite` may replace, disk-full errors, leftovers)."""
 
 from __future__ import annotations
 
 import contextlib
+import datetime as _dt
+import errno
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from cvl.errors import CvlError
+
+# The marker of a folder cvl wrote as a command's output: `--overwrite` replaces only folders
+# holding one of the same kind (a stream, an export, labels), never anything else.
+OUTPUT_MARKER = ".cvl-output.json"
+MARKER_SCHEMA = "cvl.output/1"
 
 
 def write_json(path: str | os.PathLike, obj: Any, indent: int = 2) -> None:
@@ -35,7 +43,7 @@ def read_json(path: str | os.PathLike) -> Any:
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write bytes so that readers see either the old file or the complete new one."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(path.parent)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -43,10 +51,50 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        raise_if_disk_full(e, path)
         raise
+
+
+def disk_full(e: BaseException) -> bool:
+    """True for a write that failed because the device (or the user's quota) is full.
+
+    OSError carries ENOSPC / EDQUOT; safetensors' Rust writer raises its own SafetensorError
+    whose text holds the OS error ("os error 28", "No space left on device")."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(e)
+    return "No space left on device" in text or "os error 28" in text or "StorageFull" in text
+
+
+def raise_if_disk_full(e: BaseException, path: str | os.PathLike) -> None:
+    """Turn a disk-full error into one line that says what to do next."""
+    if disk_full(e):
+        raise CvlError(
+            f"{path}: no space left on device while writing it; free some space and rerun the "
+            "same command (nothing complete was replaced: a run resumes from its last checkpoint)"
+        ) from None
+
+
+def make_dirs(path: str | os.PathLike, what: str | None = None) -> Path:
+    """`mkdir -p` with one-line errors: a file in the way, no permission."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        blocker = next((p for p in [path, *path.parents] if p.exists() and not p.is_dir()), path)
+        raise CvlError(
+            f"{what or path}: cannot create it: {blocker} is a file, not a folder; "
+            "choose another output path"
+        ) from None
+    except PermissionError as e:
+        raise CvlError(f"{what or path}: cannot create it ({e.strerror}: {e.filename})") from None
+    except OSError as e:
+        raise_if_disk_full(e, path)
+        raise CvlError(f"{what or path}: cannot create it ({e.strerror})") from None
+    return path
 
 
 def check_parent_writable(path: str | os.PathLike) -> Path:
@@ -55,58 +103,202 @@ def check_parent_writable(path: str | os.PathLike) -> Path:
     parent = path.parent
     while not parent.exists():
         parent = parent.parent
+    if not parent.is_dir():
+        raise CvlError(
+            f"{path}: cannot create it: {parent} is a file, not a folder; choose another path"
+        )
     if not os.access(parent, os.W_OK):
         raise CvlError(f"{path}: cannot write here ({parent} is not writable)")
     return path
 
 
+# -- what --overwrite may replace ---------------------------------------------------------------
+def write_marker(folder: str | os.PathLike, kind: str) -> None:
+    """Mark `folder` as a `kind` output written by cvl (see `check_overwrite`)."""
+    from cvl import __version__
+    from cvl.lock import command_line
+
+    write_json(
+        Path(folder) / OUTPUT_MARKER,
+        {
+            "schema": MARKER_SCHEMA,
+            "kind": kind,
+            "cvl": __version__,
+            "command": command_line(),
+            "created": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        },
+    )
+
+
+def output_kind(folder: str | os.PathLike) -> str | None:
+    """The kind in `folder`'s cvl marker, or None when cvl did not mark it."""
+    f = Path(folder) / OUTPUT_MARKER
+    if not f.is_file():
+        return None
+    try:
+        d = json.loads(f.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return d.get("kind") if isinstance(d, dict) and d.get("schema") == MARKER_SCHEMA else None
+
+
+def _what_is(folder: Path) -> str:
+    if (folder / "run.json").is_file():
+        return "a cvl run folder"
+    kind = output_kind(folder)
+    if kind:
+        return f"a cvl {kind} folder"
+    for p in folder.parents:
+        if (p / "run.json").is_file():
+            return f"a part of the cvl run folder {p}"
+        if output_kind(p):
+            return f"a part of the cvl {output_kind(p)} folder {p}"
+    if (folder / "stream.json").is_file():
+        return f"a stream folder without cvl's marker ({OUTPUT_MARKER}: an older cvl wrote it)"
+    return f"a folder cvl did not write (no {OUTPUT_MARKER})"
+
+
+def _within(inner: Path, outer: Path) -> bool:
+    return inner == outer or outer in inner.parents
+
+
+def check_overwrite(
+    out: str | os.PathLike, kind: str, inputs: Iterable[str | os.PathLike | None] = ()
+) -> None:
+    """Refuse to replace `out` unless cvl wrote it as a `kind` output and it holds no input.
+
+    `--overwrite` deletes the old folder once the new one is complete; this decides whether it
+    may: the folder must carry cvl's marker of the same kind (so a data folder, a run, a run's
+    tasks/ or anything else is never deleted), and must neither be nor contain one of the
+    command's inputs.
+    """
+    out_p = Path(out)
+    if not out_p.exists():
+        return
+    real = Path(os.path.realpath(out_p))
+    if not real.is_dir():
+        raise CvlError(f"--out {out_p} is a file, not a folder; choose another --out")
+    for inp in inputs:
+        if inp is None or str(inp) == "":
+            continue
+        ri = Path(os.path.realpath(inp))
+        if _within(ri, real):
+            raise CvlError(
+                f"--out {out_p} holds an input of this command ({inp}); --overwrite would "
+                "delete it: choose another --out"
+            )
+    if output_kind(real) != kind:
+        raise CvlError(
+            f"--out {out_p} is {_what_is(real)}, not a cvl {kind} folder; --overwrite replaces "
+            "only what cvl wrote there: choose another --out, or remove it yourself"
+        )
+
+
+# -- atomic folders -----------------------------------------------------------------------------
 @contextlib.contextmanager
-def atomic_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+def atomic_dir(
+    out: str | os.PathLike,
+    overwrite: bool = False,
+    *,
+    kind: str | None = None,
+    inputs: Iterable[str | os.PathLike | None] = (),
+) -> Iterator[Path]:
     """Build a folder under a temporary name and rename it to `out` only when complete.
 
     Refuses an existing `out` unless `overwrite`; on any error the partial folder is removed,
-    so nothing half-written is ever left at `out`.
+    so nothing half-written is ever left at `out`. A command's output (`kind` given: "stream",
+    "export", ...) is locked for the build (`cvl.lock`), may replace only a folder cvl marked
+    as the same kind (`check_overwrite`), and gets that marker. Leftovers of a killed earlier
+    writer of `out` (temp and old copies) are cleaned first; callers are `out`'s only writer
+    (its lock, or the run's).
     """
-    out = check_parent_writable(out)
-    if out.exists() and not overwrite:
-        raise CvlError(f"{out} exists (pass --overwrite to replace it)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    inputs = list(inputs)
+    lock = None
+    if kind is not None:
+        from cvl.lock import FolderLock
+
+        lock = FolderLock(out).acquire()
     try:
-        yield tmp
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        out = check_parent_writable(out)
+        recover_dir(out)
+        if out.exists() and not overwrite:
+            raise CvlError(f"{out} exists (pass --overwrite to replace it)")
+        if kind is not None:
+            check_overwrite(out, kind, inputs)
+        make_dirs(out.parent)
+        try:
+            tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+        except OSError as e:
+            raise_if_disk_full(e, out)
+            raise
+        try:
+            yield tmp
+            if kind is not None:
+                write_marker(tmp, kind)
+                check_overwrite(out, kind, inputs)  # again: something may have appeared since
+            if out.exists():
+                old = out.with_name(f".{out.name}.old-{os.getpid()}")
+                os.replace(out, old)
+                os.replace(tmp, out)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, out)
+        except BaseException as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise_if_disk_full(e, out)
+            raise
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def recover_dir(out: str | os.PathLike) -> Path | None:
-    """Put back the previous complete `out` if a process died inside `atomic_dir`'s swap.
+    """Clean up after a process that died inside `atomic_dir` writing `out`.
 
     `atomic_dir` renames the old folder to `.NAME.old-PID` and then the new one to `out`; a
     kill between the two renames leaves no `out` but a complete old copy, which this renames
-    back (newest first); half-written temp folders of killed writers are removed. Call it
-    only from the folder's single writer. Returns the restored path, or None.
+    back (newest first); a kill after both leaves `out` complete and the old copy, which is
+    removed. Half-written temp folders of killed writers are removed. Call it only from the
+    folder's single writer. Returns the restored path, or None.
     """
     out = Path(out)
     if not out.parent.is_dir():
         return None
     for partial in out.parent.glob(f".{out.name}.*.partial"):  # a killed writer's temp folder
         shutil.rmtree(partial, ignore_errors=True)
-    if out.exists():
-        return None
     olds = sorted(
         out.parent.glob(f".{out.name}.old-*"), key=lambda p: p.stat().st_mtime, reverse=True
     )
-    if not olds:
+    if out.exists() or not olds:
+        for o in olds:  # the swap finished: the old copy is no longer needed
+            shutil.rmtree(o, ignore_errors=True)
         return None
     os.replace(olds[0], out)
     for o in olds[1:]:
         shutil.rmtree(o, ignore_errors=True)
     return out
+
+
+def leftover_names(folder: str | os.PathLike) -> set[str]:
+    """Names of the folders in `folder` that killed `atomic_dir` writers left temp/old copies of."""
+    names = set()
+    d = Path(folder)
+    if not d.is_dir():
+        return names
+    for p in d.iterdir():
+        n = p.name
+        if not n.startswith(".") or not p.is_dir():
+            continue
+        if n.endswith(".partial") and n.count(".") >= 3:
+            names.add(n[1 : -len(".partial")].rsplit(".", 1)[0])
+        elif ".old-" in n:
+            names.add(n[1:].rsplit(".old-", 1)[0])
+    return names
+
+
+def recover_children(folder: str | os.PathLike) -> list[str]:
+    """`recover_dir` for every folder in `folder` with leftovers; returns their names."""
+    names = sorted(leftover_names(folder))
+    for n in names:
+        recover_dir(Path(folder) / n)
+    return names

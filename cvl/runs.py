@@ -3,7 +3,9 @@
 runs/RUN/
   run.json                      {"schema": "cvl.run/1", "config": {...resolved config...},
                                  "model": model.config(), "stream": {path, name, task_order,
-                                 fingerprint}, "versions": {...}}
+                                 fingerprint}, "versions": {...}, "processes": N,
+                                 "runtime": {device, deterministic, deterministic_source},
+                                 "earlier_runtimes": [earlier sessions' runtimes that differ]}
   tasks/NN-<task>/model.safetensors      weights after task NN (safetensors, no pickle)
   tasks/NN-<task>/method_state.safetensors (+ method_state.json)
   tasks/NN-<task>/train_log.jsonl

@@ -1,4 +1,5 @@
-"""Shared fixtures: a small synthetic stream built once per session; CPU threads kept low."""
+"""Shared fixtures: a small synthetic stream built once per session; CPU threads kept low;
+tests marked `gpu` skipped where torch sees no CUDA device."""
 
 from __future__ import annotations
 
@@ -7,7 +8,22 @@ import os
 import pytest
 import torch
 
+from cvl.device import CUBLAS_WORKSPACE
+
 torch.set_num_threads(int(os.environ.get("CVL_TEST_THREADS", "1")))
+# Deterministic runs on a GPU need cuBLAS's fixed workspace from the first cuBLAS call of the
+# process (cvl sets it when a command starts; here earlier tests may already have used CUDA).
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip the `gpu` tests on a machine without CUDA (they run wherever torch sees a GPU)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (gpu marker)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

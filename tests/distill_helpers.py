@@ -7,12 +7,12 @@ the global-batch arithmetic of a method's loss directly and tightly.
 
 from __future__ import annotations
 
-import os
 import socket
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from device_helpers import spawn_env
 
 N = 16
 
@@ -49,7 +49,7 @@ def _step(method: str, args: dict, rows: slice):
     params = [p for p in model.parameters() if p.requires_grad]
     average_gradients(params)
     vals = {k: float(all_reduce_mean(v.detach())) for k, v in terms.items()}
-    vals.update({k: float(all_reduce_mean(torch.tensor(v))) for k, v in ctx.metrics.items()})
+    vals.update({k: float(all_reduce_mean(torch.as_tensor(v))) for k, v in ctx.metrics.items()})
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return vals, grads
 
@@ -71,8 +71,8 @@ def two_vs_one(method: str, args: dict, tmp_path) -> tuple[tuple, tuple]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = str(tmp_path / "two.pt")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_worker, args=(port, method, args, out), nprocs=2, join=True)
+    with spawn_env(2):
+        mp.spawn(_worker, args=(port, method, args, out), nprocs=2, join=True)
     return torch.load(out, weights_only=True), _step(method, args, slice(0, N))
 
 

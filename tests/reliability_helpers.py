@@ -67,7 +67,9 @@ def build_tiny_stream(out: Path) -> Path:
     return out
 
 
-def train_argv(stream: Path, out: Path, method: str) -> list[str]:
+def train_argv(stream: Path, out: Path, method: str, device: str = "cpu") -> list[str]:
+    """`cvl train` of `method` on the tiny stream, on `device`, deterministic (runs are compared
+    bit for bit; the CPU by default: a forked child cannot use CUDA its parent initialised)."""
     return [
         "train",
         "--stream",
@@ -90,6 +92,9 @@ def train_argv(stream: Path, out: Path, method: str) -> list[str]:
         "--log-with",
         "none",
         "--quiet",
+        "--device",
+        device,
+        "--deterministic",
     ]
 
 
@@ -138,8 +143,10 @@ def kill_when(argv: list[str], ready, fork: bool = True, timeout: float = 600.0)
     """Run `cvl ARGV` in another process and SIGKILL it as soon as `ready()` is true (polled
     every 5 ms): a forked child of this process, or (`fork=False`) `python -m cvl ARGV`.
 
-    Fails if the process ends by itself first (the kill point was missed)."""
-    if fork:
+    Fails if the process ends by itself first (the kill point was missed). Once this process
+    has initialised CUDA a forked child could not use it, so the child is then a fresh
+    interpreter whatever `fork` says."""
+    if fork and not torch.cuda.is_initialized():
         p = _Forked(argv)
     else:
         p = subprocess.Popen(

@@ -1,4 +1,5 @@
-"""2 processes × batch B (torchrun, gloo, CPU) train exactly like 1 process × batch 2B.
+"""2 processes × batch B (torchrun) train exactly like 1 process × batch 2B: gloo on the CPU,
+or one GPU per process on a machine with two or more (tests/device_helpers.py).
 
 `test_every_method_two_processes_equal_one`: every registered method (parametrized over the
 registry, per-method CLI arguments from tests/reliability_helpers.py), all in ONE torchrun
@@ -15,7 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from reliability_helpers import build_tiny_stream, cli, env, train_argv, trained_methods
+from device_helpers import dist_env, shared_device
+from reliability_helpers import build_tiny_stream, cli, train_argv, trained_methods
 from safetensors.torch import load_file
 
 from cvl.methods.registry import all_methods
@@ -60,8 +62,8 @@ def _losses(run):
 
 def run_pair(stream, tmp_path, extra: list[str]) -> tuple[list, list, dict, dict]:
     """Train the same config with torchrun ×2 (batch 8 each) and 1 process (batch 16)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CVL_TEST_THREADS": "1"}
-    common = ["train", "--stream", str(stream), *ARGS, *extra]
+    env = dist_env(2)
+    common = ["train", "--stream", str(stream), *ARGS, "--device", shared_device(2), *extra]
     two = [
         sys.executable,
         "-m",
@@ -144,7 +146,11 @@ TOL: dict[str, float] = {"incclip": 5e-5, "lwf": 5e-5, "icarl": 5e-5}
 # iCaRL likewise (LwF's 0.07-temperature softmax of unnormalised features on buffer + new
 # items): final weights beyond 5e-5 at ε = 1e-6 although every logged loss agrees.
 EPS_1E3 = {"incclip", "icarl"}
-WEIGHT_ATOL = 5e-5  # measured ≤ 3.7e-5 (modx), ≤ 1.5e-5 otherwise; see assert_weights_close
+# Measured (torch 2.14.1, open_clip 3.x, 2026-11-24): ≤ 4.4e-5 for every element but one per
+# run in der (6.1e-5, 1 of 4,096 in an out_proj) and lwf (5.4e-5, 1 of 16,384 in a c_fc):
+# Adam's element-wise normalisation of rounding noise (see assert_weights_close). A real
+# distribution fault (a rank's gradient or rows missing) moves weights by ~lr = 5e-4 per step.
+WEIGHT_ATOL = 1e-4
 
 
 def _argv(stream: Path, out: Path, method: str, batch: int) -> list[str]:
@@ -157,6 +163,7 @@ def _argv(stream: Path, out: Path, method: str, batch: int) -> list[str]:
         ("--model-config", "tiny-vit"),  # no BatchNorm (per-process statistics on CPU)
         ("--max-steps-per-task", "2"),
         ("--checkpoint-every", "0"),
+        ("--device", shared_device(2)),  # the 1-process run on the 2-process runs' kind
     ):
         a[a.index(opt) + 1] = val
     return a
@@ -182,7 +189,7 @@ def dist_runs(tmp_path_factory):
             str(root / "cmds.json"),
             str(root / "results.json"),
         ],
-        env={**env(), "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])},
+        env={**dist_env(2), "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])},
         capture_output=True,
         text=True,
         timeout=int(os.environ.get("CVL_DIST_TIMEOUT", "900")),

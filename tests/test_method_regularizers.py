@@ -391,13 +391,15 @@ def test_cross_rank_state_two_processes_equal_one(tmp_path):
     import socket
 
     import torch.multiprocessing as mp
+    from device_helpers import spawn_env
     from distill_helpers import assert_same_gradients
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = str(tmp_path / "two.pt")
-    mp.spawn(_importance_worker, args=(port, out), nprocs=2, join=True)
+    with spawn_env(2):
+        mp.spawn(_importance_worker, args=(port, out), nprocs=2, join=True)
     res2, res1 = torch.load(out, weights_only=True), _cross_rank(slice(0, 16))
     two, one = res2["importance"], res1["importance"]
     assert set(two) == set(one) == {"fusion/fisher", "fusion/mas"}

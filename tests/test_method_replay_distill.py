@@ -562,13 +562,15 @@ def test_cross_rank_state_two_processes_equal_one(synth_stream, tmp_path):
     import socket
 
     import torch.multiprocessing as mp
+    from device_helpers import spawn_env
     from distill_helpers import assert_same_gradients
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = str(tmp_path / "two.pt")
-    mp.spawn(_worker, args=(port, out, str(synth_stream)), nprocs=2, join=True)
+    with spawn_env(2):
+        mp.spawn(_worker, args=(port, out, str(synth_stream)), nprocs=2, join=True)
     two, one = (
         torch.load(out, weights_only=True),
         _cross_rank(slice(0, 16), 1, 0, str(synth_stream)),

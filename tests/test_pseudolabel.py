@@ -8,7 +8,6 @@ classifier weights are drawn with std 1 (not 0.02) so its top-1 classes vary acr
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -288,7 +287,9 @@ def _free_port() -> int:
 def test_two_processes_give_the_same_labels(labelled, synth_stream, tiny_beit, tmp_path):
     s = tmp_path / "synth"
     shutil.copytree(synth_stream, s)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CVL_TEST_THREADS": "1"}
+    from device_helpers import dist_env
+
+    env = dist_env(2)
     cmd = [
         sys.executable,
         "-m",
@@ -324,7 +325,7 @@ def test_zeroshot_among_task_seen_and_all_classes(monkeypatch):
     (cos to pa .958, to pd .996: d wins once d is a candidate) and x_b = (0,1,0); t1 has
     x_c = (0,0,1). Among a task's classes everything is right; among all classes x_a is wrong.
     """
-    from cvl.evaluation import runner
+    from cvl.evaluation import checkpoint, runner
     from cvl.evaluation.embed import Embeddings
     from cvl.streams.manifest import EvalSet, Manifest, ShardSet, TaskInfo
 
@@ -337,7 +338,7 @@ def test_zeroshot_among_task_seen_and_all_classes(monkeypatch):
     }
     asked = []
 
-    def class_embeddings(model, names, templates, batch_size):  # noqa: ANN001, ANN202
+    def class_embeddings(model, names, templates, batch_size, precision="no"):  # noqa: ANN001, ANN202
         asked.append(list(names))
         return torch.tensor([protos[x] for x in names])
 
@@ -357,8 +358,8 @@ def test_zeroshot_among_task_seen_and_all_classes(monkeypatch):
             [desc] * k,
         )
 
-    monkeypatch.setattr(runner, "class_embeddings", class_embeddings)
-    monkeypatch.setattr(runner._Ctx, "embed", embed)
+    monkeypatch.setattr(checkpoint, "class_embeddings", class_embeddings)
+    monkeypatch.setattr(checkpoint.EvalContext, "embed", embed)
     ss = ShardSet(["x.tar"], 1)
     tasks = {
         "t0": TaskInfo("t0", ss, categories=["a", "b"]),

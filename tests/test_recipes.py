@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from device_helpers import dist_env
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 PAPER_RECIPES = ["ctp_p9d.sh", "incclip_cc12m.sh", "modx.sh", "dha_citm.sh", "dkr.sh"]
@@ -142,7 +143,7 @@ def test_recipe_smoke(name, tmp_path):
         assert "reusing" in again.stdout and "saved" not in again.stdout
         # --nproc 2 really trains in 2 processes (accelerate launch), each with half the batch
         two = [*cmd[:-1], str(tmp_path / "two"), "--nproc", "2", "--methods", "seqft dha"]
-        r = subprocess.run(two, env=_env(tmp_path), capture_output=True, text=True)
+        r = subprocess.run(two, env=dist_env(2, _env(tmp_path)), capture_output=True, text=True)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         run = json.loads((tmp_path / "two" / "runs" / "dha" / "run.json").read_text())
         assert run["processes"] == 2 and run["config"]["batch_size"] == 4  # smoke: global 8

@@ -1,7 +1,8 @@
 """Kill and resume: a real `python -m cvl train` SIGKILLed from outside at a seeded random
 step inside task 2, for every registered method, reruns to the same bits as an uninterrupted
-run; a process dying inside a checkpoint write resumes from the previous complete one; a
-killed `cvl eval` reuses its cache and ends with the same numbers.
+run (deterministic mode; on the CPU, and on CUDA where present); a process dying inside a
+checkpoint write resumes from the previous complete one; a killed `cvl eval` reuses its cache
+and ends with the same numbers.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from device_helpers import DEVICES
 from reliability_helpers import (
     STEPS,
     assert_same_run,
@@ -38,13 +40,13 @@ def tiny(tmp_path_factory):
 def reference(tiny, tmp_path_factory):
     """One uninterrupted run per method (in this process), shared by the tests."""
     root = tmp_path_factory.mktemp("reference")
-    done: dict[str, Path] = {}
+    done: dict[tuple[str, str], Path] = {}
 
-    def get(method: str) -> Path:
-        if method not in done:
-            cli(train_argv(tiny, root / method, method))
-            done[method] = root / method
-        return done[method]
+    def get(method: str, device: str = "cpu") -> Path:
+        if (method, device) not in done:
+            cli(train_argv(tiny, root / device / method, method, device))
+            done[(method, device)] = root / device / method
+        return done[(method, device)]
 
     return get
 
@@ -64,16 +66,19 @@ def test_method_table_covers_buffers():
             assert "--buffer" in method_args(name), name
 
 
-def _kill_and_resume(method: str, tiny: Path, ref: Path, out: Path, fork: bool) -> None:
+def _kill_and_resume(
+    method: str, tiny: Path, ref: Path, out: Path, fork: bool, device: str = "cpu"
+) -> None:
     ti, name = kill_task(method)
     k = random.Random(f"kill/{method}").randint(1, STEPS - 1)  # steps logged before the kill
     log = out / "logs" / f"{ti:02d}-{name}.jsonl"
-    kill_when(train_argv(tiny, out, method), lambda: log_lines(log) >= k, fork=fork)
+    argv = train_argv(tiny, out, method, device)
+    kill_when(argv, lambda: log_lines(log) >= k, fork=fork)
     assert not (out / "tasks" / f"{ti:02d}-{name}").exists()  # killed inside the task
     pos = out / "last" / "position.json"
     at = json.loads(pos.read_text())["step"] if pos.is_file() else 0
     assert k - 1 <= at <= k + 1
-    cli(train_argv(tiny, out, method))  # the same command again
+    cli(argv)  # the same command again
     assert assert_same_run(ref, out) == (1 if ti == 2 else 3)
 
 
@@ -84,10 +89,14 @@ def test_sigkill_python_m_cvl_train_resumes_bitwise(tiny, reference, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("method", trained_methods())
-def test_sigkill_inside_task_resumes_bitwise(method, tiny, reference, tmp_path):
-    """Every registered method (a forked training process, killed from outside)."""
-    _kill_and_resume(method, tiny, reference(method), tmp_path / "run", fork=True)
+def test_sigkill_inside_task_resumes_bitwise(method, device, tiny, reference, tmp_path):
+    """Every registered method, deterministic, on the CPU and (where present) on CUDA: a
+    training process killed from outside (forked on the CPU; on CUDA a fresh `python -m cvl`,
+    since a forked child cannot use the CUDA context of its parent)."""
+    ref = reference(method, device)
+    _kill_and_resume(method, tiny, ref, tmp_path / "run", fork=device == "cpu", device=device)
 
 
 def _dying_atomic_dir(real, crash_at: int, phase: str):

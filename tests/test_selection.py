@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from device_helpers import DEVICES
 from safetensors.torch import load_file
 
 from cvl.errors import CvlError
@@ -25,6 +26,7 @@ FAST = dict(
     epochs=3,
     log_every=1,
     workers=0,
+    deterministic=True,
 )
 
 
@@ -116,9 +118,10 @@ def test_real_val_score_is_rm_on_val_pairs(synth_stream, tmp_path):
         assert sel["score"] == max(h["val_Rm"] for h in sel["history"])
 
 
-def test_resume_keeps_the_selection_exact(synth_stream, tmp_path, monkeypatch):
+@pytest.mark.parametrize("device", DEVICES)
+def test_resume_keeps_the_selection_exact(synth_stream, tmp_path, monkeypatch, device):
     """Stopped in epoch 2 of task 1 (epoch 1 scored, best so far in last/): same result."""
-    kw = dict(select="best-val", checkpoint_every=2)
+    kw = dict(select="best-val", checkpoint_every=2, device=device)
     _scripted_scores(monkeypatch, [9.0, 7.0, 8.0])  # epoch 1 best: must survive the resume
     _train(synth_stream, tmp_path / "a", **kw)
     from cvl.methods.seqft import SeqFT
@@ -146,9 +149,12 @@ def test_resume_keeps_the_selection_exact(synth_stream, tmp_path, monkeypatch):
     assert sa["selection"] == sb["selection"]
 
 
-def test_resume_right_after_an_epoch_end_scores_that_epoch(synth_stream, tmp_path, monkeypatch):
+@pytest.mark.parametrize("device", DEVICES)
+def test_resume_right_after_an_epoch_end_scores_that_epoch(
+    synth_stream, tmp_path, monkeypatch, device
+):
     """A checkpoint written at the last step of an epoch precedes that epoch's validation."""
-    kw = dict(select="best-val", checkpoint_every=6)  # 6 steps per epoch
+    kw = dict(select="best-val", checkpoint_every=6, device=device)  # 6 steps per epoch
     from cvl.methods.seqft import SeqFT
 
     def boom(self, ctx):

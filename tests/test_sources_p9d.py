@@ -149,7 +149,13 @@ def test_custom_order_subset_limits_and_overwrite(p9d_build, image_server):  # n
     (out / "keep.txt").write_text("an existing folder is not replaced without --overwrite")
     assert run("p9d", "--annotations", str(ann), "--out", str(out), "--order", order, *args) == 2
     assert (out / "keep.txt").is_file()
-    assert (
+    rc = run("p9d", "--annotations", str(ann), "--out", str(out), "--overwrite", *args)
+    assert rc == 2 and (out / "keep.txt").is_file()  # cvl did not write it: never deleted
+    (out / "keep.txt").unlink()
+    out.rmdir()
+    assert run("p9d", "--annotations", str(ann), "--out", str(out), "--order", "Food", *args) == 0
+    assert load_manifest(out).task_order == ["Food"]
+    assert (  # a stream cvl wrote is replaced
         run(
             "p9d",
             "--annotations",

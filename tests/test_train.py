@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from device_helpers import DEVICES
 from safetensors.torch import load_file
 from train_helpers import FAST, assert_same_task_weights, interrupt_then_resume, task_log
 
@@ -76,15 +77,17 @@ def test_reservoir_buffer_is_mixed_in_and_saved(synth_stream, tmp_path):
     assert info["buffer_items"] == 32
 
 
-def test_resume_mid_task_gives_identical_weights(synth_stream, tmp_path, monkeypatch):
+@pytest.mark.parametrize("device", DEVICES)
+def test_resume_mid_task_gives_identical_weights(synth_stream, tmp_path, monkeypatch, device):
     """Run a: loader in the main process; run b: 2 loader workers, interrupted and resumed.
 
-    Same weights and the same log lines: decoding does not depend on the workers, and log
-    lines fall on checkpoint steps too (lines at 2 and 4 = checkpoints, 3 = log_every, 5 = end),
-    so a resumed run rewrites the lines it drops."""
+    Same weights and the same log lines (deterministic mode, on the CPU and on CUDA):
+    decoding does not depend on the workers, and log lines fall on checkpoint steps too
+    (lines at 2 and 4 = checkpoints, 3 = log_every, 5 = end), so a resumed run rewrites the
+    lines it drops."""
     from cvl.methods.seqft import SeqFT
 
-    kw = dict(epochs=2, checkpoint_every=2, max_steps_per_task=5, log_every=3)
+    kw = dict(epochs=2, checkpoint_every=2, max_steps_per_task=5, log_every=3, device=device)
     _train(synth_stream, tmp_path / "a", **kw)
     pos = interrupt_then_resume(
         lambda out: _train(synth_stream, out, workers=2, **kw), SeqFT, tmp_path / "b", monkeypatch
@@ -156,6 +159,7 @@ def test_cosine_schedule():
         (["--epochs", "0"], "--epochs must be positive"),
         (["--method-arg", "cumulative"], "expected NAME=VALUE"),
         (["--method", "joint", "--method-arg", "alpha=2"], "has no argument 'alpha'"),
+        (["--device", "tpu"], "expected auto, cpu, cuda or cuda:N"),
     ],
 )
 def test_cli_errors(synth_stream, tmp_path, argv, msg, capsys):
@@ -250,3 +254,88 @@ def test_lamb_optimizer_step_by_hand():
     w2.grad = torch.tensor([[1.0, -1.0]])
     opt.step()
     assert torch.allclose(w2.detach(), torch.tensor([[2.75, 3.9]]), atol=1e-6)
+
+
+def _argv(stream, out, *extra):
+    return [
+        "train",
+        "--stream",
+        str(stream),
+        "--out",
+        str(out),
+        "--quiet",
+        "--log-with",
+        "none",
+    ] + [
+        *("--model-config", "tiny", "--epochs", "1", "--batch-size", "16", "--workers", "0"),
+        *("--max-steps-per-task", "1", *extra),
+    ]
+
+
+def test_device_and_determinism_are_recorded_and_may_change_on_resume(
+    synth_stream, tmp_path, capsys
+):
+    """`--device cpu` trains on the CPU whatever the machine has; run.json records the mode
+    and where it came from; switching it on resume needs no --force (the maths is the same),
+    is said, and the earlier setting stays recorded."""
+    out = tmp_path / "r"
+    assert main(_argv(synth_stream, out, "--device", "cpu")) == 0
+    run = load_run(out)
+    assert run["runtime"] == {
+        "device": "cpu",
+        "deterministic": True,
+        "deterministic_source": "default",
+    }
+    assert run["config"]["device"] == "cpu" and run["config"]["deterministic"] is None
+    assert run["earlier_runtimes"] == []
+    # the same finished run opened again (nothing left to train), in the other mode
+    capsys.readouterr()
+    assert main(_argv(synth_stream, out, "--device", "cpu", "--no-deterministic")) == 0
+    assert "continues with --no-deterministic" in capsys.readouterr().out
+    run = load_run(out)
+    assert run["runtime"]["deterministic"] is False
+    assert run["runtime"]["deterministic_source"] == "option"
+    assert run["earlier_runtimes"] == [
+        {"device": "cpu", "deterministic": True, "deterministic_source": "default"}
+    ]
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_op_without_deterministic_kernel_stops_with_one_line(
+    synth_stream, tmp_path, monkeypatch, capsys
+):
+    """A method whose step uses `put_` (no deterministic kernel, on the CPU too) stops a
+    deterministic run with one line naming the op; --no-deterministic trains it."""
+    from cvl.methods.seqft import SeqFT
+
+    real = SeqFT.loss
+
+    def loss(self, batch, out, ctx):
+        terms = real(self, batch, out, ctx)
+        z = torch.zeros(4, device=terms["itc"].device)
+        z.put_(torch.tensor([0, 0], device=z.device), terms["itc"].detach().expand(2))
+        return {**terms, "itc": terms["itc"] + 0 * z.sum()}
+
+    monkeypatch.setattr(SeqFT, "loss", loss)
+    assert main(_argv(synth_stream, tmp_path / "a", "--device", "cpu")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0
+    assert err.startswith("error: put_ has no deterministic implementation on cpu")
+    assert "--no-deterministic" in err
+    assert main(_argv(synth_stream, tmp_path / "b", "--device", "cpu", "--no-deterministic")) == 0
+    assert finished_tasks(tmp_path / "b")
+
+
+def test_more_processes_than_gpus_stops_before_training(
+    synth_stream, tmp_path, monkeypatch, capsys
+):
+    """2 processes on a node with 1 GPU: one line (use fewer processes or --device cpu), no run
+    folder, instead of NCCL's duplicate-GPU failure."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for k, v in (("WORLD_SIZE", "2"), ("LOCAL_WORLD_SIZE", "2"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(k, v)
+    assert main(_argv(synth_stream, tmp_path / "r")) == 2
+    err = capsys.readouterr().err
+    assert "launches 2 processes but has 1 GPU" in err and "--device cpu" in err
+    assert not (tmp_path / "r").exists()

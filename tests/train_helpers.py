@@ -14,7 +14,9 @@ from cvl.runs import finished_tasks
 from cvl.train.config import resolve
 from cvl.train.loop import Trainer
 
-# one epoch of the tiny RN CLIP, batch 16, a log line per step, no mid-task checkpoints
+# one epoch of the tiny RN CLIP, batch 16, a log line per step, no mid-task checkpoints;
+# deterministic on any device (the default device: CUDA where present), since tests compare
+# runs bit for bit
 FAST = dict(
     epochs=1,
     batch_size=16,
@@ -23,12 +25,15 @@ FAST = dict(
     model_config="tiny",
     log_every=1,
     workers=0,
+    deterministic=True,
 )
 
 
 def train_run(stream: Path, out: Path, defaults: dict, **kw) -> None:
-    """Train `defaults` overridden by `kw` from `stream` into `out` (no progress bars)."""
-    cfg = resolve(None, {"stream": str(stream), "out": str(out), **{**defaults, **kw}})
+    """Train `defaults` overridden by `kw` from `stream` into `out` (no progress bars),
+    deterministic unless they say otherwise (interrupted and whole runs are compared bitwise)."""
+    over = {"deterministic": True, **defaults, **kw}
+    cfg = resolve(None, {"stream": str(stream), "out": str(out), **over})
     Trainer(cfg, progress=False).run()
 
 

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import click
 
+from cvl.device import deterministic_option, device_option
 from cvl.errors import CvlError
+from cvl.evaluation.options import precision_option, workers_option
 
 
 @click.group("analyze")
@@ -19,6 +21,35 @@ def _positive(ctx: click.Context, param: click.Parameter, value: int | None) -> 
     if value is not None and value <= 0:
         raise click.BadParameter(f"must be a positive integer, got {value}")
     return value
+
+
+def _check_compare(compare: tuple[str, str] | None) -> None:
+    """--compare takes two run folders: an option swallowed as the second is named as such,
+    and the same run twice is worth a warning (the two tables are the same)."""
+    if compare is None:
+        return
+    opt = [v for v in compare if v.startswith("-")]
+    if opt:
+        raise CvlError(
+            f"--compare takes two run folders (R1 R2), got {compare[0]!r} and the option "
+            f"{opt[-1]!r}: give both runs right after --compare"
+        )
+    a, b = (Path(p).resolve() for p in compare)
+    if a == b:
+        click.echo(
+            f"warning: --compare names the same run twice ({compare[0]}): both sides are equal",
+            err=True,
+        )
+
+
+def _lock(run: str | Path, dest: Path):  # noqa: ANN202 (FolderLock)
+    """The lock of the folder the analysis writes (one writer at a time, `cvl.lock`); the run
+    is checked first, so a wrong path creates nothing."""
+    from cvl.lock import FolderLock
+    from cvl.runs import load_run
+
+    load_run(run)
+    return FolderLock(dest).acquire()
 
 
 @analyze.command("rotation")
@@ -77,6 +108,10 @@ def _positive(ctx: click.Context, param: click.Parameter, value: int | None) -> 
 )
 @click.option("--no-plots", is_flag=True, help="Skip the PNG charts.")
 @click.option("--quiet", is_flag=True, help="No progress bars; print only the output paths.")
+@device_option
+@workers_option
+@precision_option
+@deterministic_option
 def rotation_cmd(
     run_dir: str | None,
     compare: tuple[str, str] | None,
@@ -91,6 +126,10 @@ def rotation_cmd(
     out: str | None,
     no_plots: bool,
     quiet: bool,
+    device: str,
+    workers: int,
+    precision: str,
+    deterministic: bool | None,
 ) -> None:
     """Mod-X spatial-disorder analysis: SAM, RAM and ImAV angle-change distributions.
 
@@ -109,9 +148,15 @@ def rotation_cmd(
       cvl analyze rotation --compare runs/seqft runs/modx
     """
     from cvl.analysis import rotation as rot
+    from cvl.device import determinism, resolve_device
+    from cvl.evaluation.imagestore import ImageStore
+    from cvl.evaluation.options import DEFAULT_IMAGE_CACHE_MB
 
     if (run_dir is None) == (compare is None):
         raise CvlError("give exactly one of --run RUN or --compare R1 R2")
+    _check_compare(compare)
+    dev = resolve_device(device)
+    click.get_current_context().with_resource(determinism(deterministic, dev))  # until return
     kw = dict(
         stream=stream,
         split=split,
@@ -122,10 +167,15 @@ def rotation_cmd(
         batch_size=batch_size,
         chunk_elems=max(1, chunk_mb * (1 << 20) // 8),
         progress=not quiet and sys.stderr.isatty(),  # bars only on a terminal, as cvl eval
+        device=dev,
+        workers=workers,
+        precision=precision,
+        store=ImageStore(DEFAULT_IMAGE_CACHE_MB),  # the eval set decoded once, for both runs
     )
     if run_dir is not None:
-        res = rot.analyze_run(run_dir, **kw)
         dest = Path(out) if out else Path(run_dir) / "analysis"
+        lock = _lock(run_dir, dest)  # noqa: F841 (held until the command ends)
+        res = rot.analyze_run(run_dir, **kw)
         written = rot.write_result(res, dest, plots=not no_plots)
         if not quiet:
             click.echo(rot.result_markdown(res))
@@ -136,6 +186,7 @@ def rotation_cmd(
         if n1 == n2:
             n1, n2 = f"{n1}-A", f"{n2}-B"
         dest = Path(out) if out else r1 / "analysis" / f"compare-{n2}"
+        lock = _lock(r1, dest)  # noqa: F841
         res1 = rot.analyze_run(r1, **kw)
         res2 = rot.analyze_run(r2, **kw)
         written = rot.write_result(res1, dest / n1, plots=not no_plots)

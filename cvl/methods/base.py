@@ -18,6 +18,7 @@ fixed at task start (the previous task's model) is rebuilt by `before_task` from
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,7 +70,14 @@ class TaskContext:
 
 def frozen_copy(model: nn.Module) -> nn.Module:
     """A deep copy with gradients off, in eval mode (reference / old / teacher models); a model
-    carrying `--tune lora/dora` adapters is copied with them merged (a plain model)."""
+    carrying `--tune lora/dora` adapters is copied with them merged (a plain model).
+
+    It keeps the training model's parameter dtype and runs inside the step's autocast (the
+    loop calls `Method.loss` under it; hooks outside it use `step_autocast`), so its forward
+    computes in the training precision exactly as the training model's does. It is not cast
+    to bf16/fp16 itself: open_clip casts the text input to the weights' dtype and would then
+    add positional embeddings, LayerNorms and the logit scale in half precision too.
+    """
     from cvl.models.tune import plain_copy
 
     m = plain_copy(model)
@@ -77,6 +85,14 @@ def frozen_copy(model: nn.Module) -> nn.Module:
     for p in m.parameters():
         p.requires_grad_(False)
     return m
+
+
+def step_autocast(ctx: TaskContext) -> contextlib.AbstractContextManager:
+    """The training step's autocast (`--precision`) for a hook's forward passes outside the
+    loop's forward block (e.g. IncCLIP's generation in `before_step`); a no-op without an
+    accelerator (unit tests)."""
+    acc = ctx.accelerator
+    return acc.autocast() if hasattr(acc, "autocast") else contextlib.nullcontext()
 
 
 class Method:

@@ -64,6 +64,7 @@ import torch
 
 from cvl.data.reader import PairDataset, collate, rank_slice, sample_seed
 from cvl.data.transforms import image_transform
+from cvl.device import to_device
 from cvl.errors import CvlError
 from cvl.losses import global_logits, kl_rows
 from cvl.methods.base import TaskContext, Wrapper, frozen_copy
@@ -180,7 +181,7 @@ class ZSCL(Wrapper):
         )
         idx = torch.randint(len(self.ref), (n,), generator=g).tolist()
         b = collate([self.ref[i] for i in rank_slice(idx, rank, world)])
-        return {k: b[k].to(ctx.device) for k in ("image", "text")}
+        return {k: to_device(b[k], ctx.device) for k in ("image", "text")}  # no host sync
 
     # -- L2 to the task's start (analytic gradient, as the regularizers') ------------------------
     def before_step(self, ctx: TaskContext) -> None:

@@ -64,7 +64,7 @@ def export_run(
         "model": model.config(),
     }
     state = {k: v.detach().cpu().contiguous().clone() for k, v in model.clip.state_dict().items()}
-    with atomic_dir(out, overwrite=overwrite) as tmp:
+    with atomic_dir(out, overwrite=overwrite, kind="export", inputs=[run]) as tmp:
         write_json(tmp / CONFIG_NAME, oc)
         save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         hf_tok = getattr(getattr(model.tokenizer, "_tok", None), "tokenizer", None)

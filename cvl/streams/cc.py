@@ -144,7 +144,7 @@ def _cc_command(source: str, layout: str, paper: str, example: str):  # noqa: AN
         m = build_cc(
             source, tsv, opts, split=split, chunks=chunks, sample=sample, val=val, test=test
         )
-        finish(m, str(opts.out))
+        finish(m, str(opts.out), quiet=not opts.progress)
 
     return cmd
 

@@ -303,7 +303,7 @@ def build_class_split(
     eval_kinds = {s: es.kind for s, es in m.eval_sets.items()}
     if opts.test:
         eval_kinds["test"] = "pairs"
-    with atomic_dir(out, overwrite=opts.overwrite) as tmp:
+    with atomic_dir(out, overwrite=opts.overwrite, kind="stream", inputs=[src]) as tmp:
         train_sets, eval_sets = {}, {s: {} for s in eval_kinds}
         total = sum(len(v) for v in chosen.values())
         bar = tqdm(total=total, desc="class split", unit="img", disable=not opts.progress)
@@ -514,6 +514,8 @@ def class_split_cmd(
         progress=not quiet,
     )
     m, rep = build_class_split(src, out, opts)
+    if quiet:
+        return
     echo_summary(m, out)
     click.echo(
         f"  read {rep['read']}, kept {rep['kept_total']}, dropped {rep['dropped_total']}"

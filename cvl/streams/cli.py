@@ -8,7 +8,10 @@ downloader and `cvl --help` stays fast.
 
 from __future__ import annotations
 
+import functools
 import importlib
+from pathlib import Path
+from typing import Any
 
 import click
 
@@ -45,8 +48,45 @@ class _SourceGroup(click.Group):
             if cname == name:
                 cmd = getattr(importlib.import_module(mod), attr)
                 cmd.name = cname
-                return cmd
+                return guarded(cmd)
         return None
+
+
+def guarded(cmd: click.Command) -> click.Command:
+    """A source command that, before any work, locks its --out (one build per stream folder at
+    a time, `cvl.lock`) and refuses an existing --out unless --overwrite may replace it: cvl
+    wrote it as a stream and it holds none of the command's path arguments (`check_overwrite`).
+    """
+    if getattr(cmd, "_cvl_guarded", False) or cmd.callback is None:
+        return cmd
+    inner = cmd.callback
+    paths = [p.name for p in cmd.params if isinstance(p.type, click.Path) and p.name != "out"]
+
+    @functools.wraps(inner)
+    def run(*args: Any, **kw: Any) -> Any:
+        from cvl.errors import CvlError
+        from cvl.io import check_overwrite
+        from cvl.lock import FolderLock
+
+        out = kw.get("out")
+        if not out:
+            return inner(*args, **kw)
+        with FolderLock(out):
+            if Path(out).exists():
+                if not kw.get("overwrite"):
+                    raise CvlError(
+                        f"{Path(out).absolute()} exists (pass --overwrite to replace it)"
+                    )
+                inputs = []
+                for n in paths:
+                    v = kw.get(n)
+                    inputs += list(v) if isinstance(v, (list, tuple)) else [v]
+                check_overwrite(out, "stream", inputs)
+            return inner(*args, **kw)
+
+    cmd.callback = run
+    cmd._cvl_guarded = True  # type: ignore[attr-defined]
+    return cmd
 
 
 @click.group("build-stream", cls=_SourceGroup)

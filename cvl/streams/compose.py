@@ -275,7 +275,8 @@ def compose(
         )
     if out.exists() and not overwrite:
         raise CvlError(f"{out.absolute()} exists (pass --overwrite to replace it)")
-    with atomic_dir(out, overwrite=overwrite) as t:
+    inputs = [t.stream for t in tasks] + [e.stream for e in evals]
+    with atomic_dir(out, overwrite=overwrite, kind="stream", inputs=inputs) as t:
         m = _compose_into(
             t, out, tasks, evals, name, seed, shard_size, split_rule, source, extra_args
         )

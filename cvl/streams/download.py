@@ -46,14 +46,22 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cvl.data.images import MAX_PIXELS, ImageTooLarge, open_image
 from cvl.errors import CvlError
 from cvl.io import read_json, write_json
 
 RESIZE_MODES = ("no", "keep_ratio", "center_crop", "border", "keep_ratio_largest")
 DISTRIBUTORS = ("multiprocessing", "pyspark", "ray")
 STATUSES = ("success", "failed_to_download", "failed_to_resize")
+TOO_LARGE = "too_large"  # the error (and drop reason) of an image past MAX_PIXELS
 # img2dataset imports albumentations, which otherwise checks PyPI for updates at import time.
-CHILD_ENV = {"NO_ALBUMENTATIONS_UPDATE": "1", "WANDB_MODE": "disabled", "WANDB_SILENT": "true"}
+# OpenCV (img2dataset's decoder) refuses images past cvl's pixel limit, read at its import.
+CHILD_ENV = {
+    "NO_ALBUMENTATIONS_UPDATE": "1",
+    "WANDB_MODE": "disabled",
+    "WANDB_SILENT": "true",
+    "OPENCV_IO_MAX_IMAGE_PIXELS": str(MAX_PIXELS),
+}
 
 
 @dataclass(frozen=True)
@@ -633,9 +641,18 @@ def process_local(path: str, image: ImageOptions) -> tuple[bytes | None, str | N
 
 
 def process_bytes(data: bytes, image: ImageOptions) -> tuple[bytes | None, str | None]:
-    """Resize/encode image bytes from an archive like a downloaded image: (jpeg bytes, error)."""
+    """Resize/encode image bytes from an archive like a downloaded image: (jpeg bytes, error).
+
+    The header is checked against `MAX_PIXELS` first (error "too_large: ..."), so a
+    decompression bomb is refused before any pixel is decoded."""
     import io
 
+    try:
+        open_image(data).close()
+    except ImageTooLarge as e:
+        return None, f"{TOO_LARGE}: {e}"
+    except Exception:  # noqa: BLE001 (not an image PIL knows: the resizer decides)
+        pass
     img, _, _, _, _, err = _resizer(image)(io.BytesIO(data))
     if err is not None or img is None:
         return None, short_error(err or "image decoding error")

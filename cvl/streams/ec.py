@@ -203,4 +203,4 @@ def ec_cmd(data: str, max_train: int | None, max_test: int | None, val: int, **k
     """
     opts = build_options(kw)
     m = build_ec(data, opts, max_train=max_train, max_test=max_test, val=val)
-    finish(m, str(opts.out))
+    finish(m, str(opts.out), quiet=not opts.progress)

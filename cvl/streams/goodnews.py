@@ -82,7 +82,7 @@ def read_goodnews(
             if images is not None:
                 p = images / f"{rid}.jpg"
                 if p.is_file():
-                    row.path = str(p)
+                    row.path, row.root = str(p), str(images)
             if row.path is None:
                 row.url = clean_text(art_urls.get(str(idx)))
             if splits is not None:
@@ -207,4 +207,4 @@ def goodnews_cmd(
         val=val,
         test=test,
     )
-    finish(m, str(opts.out))
+    finish(m, str(opts.out), quiet=not opts.progress)

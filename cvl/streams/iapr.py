@@ -85,7 +85,7 @@ def read_iapr(root: str | Path, drop: Dropper, report: BuildReport) -> list[Row]
         seen.add(rid)
         title = _TAG["TITLE"].search(text)
         meta = {"title": clean_text(title.group(1)) if title else None}
-        rows.append(Row(id=rid, caption=cap, path=str(img), meta=meta))
+        rows.append(Row(id=rid, caption=cap, path=str(img), meta=meta, root=str(base)))
     return rows
 
 
@@ -154,4 +154,4 @@ def iapr_cmd(data: str, test: int, val: int, max_train: int | None, **kw: Any) -
     """
     opts = build_options(kw)
     m = build_iapr(data, opts, test=test, val=val, max_train=max_train)
-    finish(m, str(opts.out))
+    finish(m, str(opts.out), quiet=not opts.progress)

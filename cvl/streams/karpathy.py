@@ -166,7 +166,15 @@ def read_karpathy(
         if fpath:
             meta["filepath"] = fpath
         rows.append(
-            Row(id=rid, caption=caps[0], path=str(img), split=split, captions=caps, meta=meta)
+            Row(
+                id=rid,
+                caption=caps[0],
+                path=str(img),
+                split=split,
+                captions=caps,
+                meta=meta,
+                root=str(root),
+            )
         )
     report.notes["empty_captions_dropped"] = empty_caps
     report.notes["captions_beyond_max"] = extra_caps
@@ -225,6 +233,7 @@ def select_rows(
                         id=f"{r.id}_{k}",
                         caption=c,
                         path=r.path,
+                        root=r.root,
                         split="train",
                         meta={**r.meta, "image_id": r.id},
                     )
@@ -407,7 +416,7 @@ def _command(source: str, example: str) -> click.Command:
         }
         opts = build_options(kw)
         m = build_karpathy(source, json_path, images, opts, **sel)
-        finish(m, str(opts.out))
+        finish(m, str(opts.out), quiet=not opts.progress)
 
     return cmd
 

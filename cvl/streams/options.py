@@ -13,8 +13,10 @@ import click
 from cvl.streams.manifest import Manifest
 
 
-def echo_summary(m: Manifest, out: str) -> None:
-    """Print what a builder wrote (tasks, counts, eval sets)."""
+def echo_summary(m: Manifest, out: str, quiet: bool = False) -> None:
+    """Print what a builder wrote (tasks, counts, eval sets); nothing with --quiet."""
+    if quiet:
+        return
     click.echo(f"wrote stream '{m.name}' to {out} ({len(m.task_order)} tasks)")
     for t in m.task_order:
         evals = ", ".join(
@@ -193,7 +195,9 @@ def _option_list() -> list:
         ),
         click.option("--overwrite", is_flag=True, help="Replace an existing output folder."),
         click.option(
-            "--quiet", is_flag=True, help="No progress bars or messages (errors still print)."
+            "--quiet",
+            is_flag=True,
+            help="No progress bars, messages or summary (errors and warnings still print).",
         ),
     ]
 
@@ -306,16 +310,22 @@ def build_options(kw: dict):  # noqa: ANN202
     )
 
 
-def finish(m: Manifest, out: str) -> None:
-    """Summary of a URL/file build: tasks, counts, what was dropped and where the details are."""
+def finish(m: Manifest, out: str, quiet: bool = False) -> None:
+    """Summary of a URL/file build: tasks, counts, what was dropped and where the details are.
+
+    With --quiet only the build's warnings are printed (on stderr)."""
     import json
     from pathlib import Path
 
-    echo_summary(m, out)
+    echo_summary(m, out, quiet)
     rep_path = Path(out) / "build_report.json"
     try:
         rep = json.loads(rep_path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
+        return
+    if quiet:
+        for w in rep.get("warnings", []):
+            click.echo(f"warning: {w}", err=True)
         return
     dropped = rep.get("dropped") or {}
     top = ", ".join(f"{k} {v}" for k, v in sorted(dropped.items(), key=lambda kv: -kv[1])[:6])

@@ -71,6 +71,7 @@ class ImageFinder:
 
     def __init__(self, folders: list[Path]) -> None:
         self.index: dict[str, str] = {}
+        self.root: dict[str, str] = {}  # the --images folder a file was found under
         for f in folders:
             for sub in IMAGE_SUBDIRS:
                 d = f / sub if sub else f
@@ -79,6 +80,7 @@ class ImageFinder:
                 for p in d.iterdir():
                     if p.suffix.lower() in (".jpg", ".jpeg") and p.stem not in self.index:
                         self.index[p.stem] = str(p)
+                        self.root[p.stem] = str(f)
 
     def find(self, item_id: str) -> str | None:
         return self.index.get(item_id)
@@ -116,7 +118,7 @@ def _row(
     if finder is not None:
         p = finder.find(rid)
         if p is not None:
-            row.path = p
+            row.path, row.root = p, finder.root[rid]
         elif not download_missing:
             drop("image_missing", row, detail=f"no {rid}.jpg in --images")
             return None
@@ -305,4 +307,4 @@ def p9d_cmd(
         eval_limit_per_task=eval_limit_per_task,
         download_missing=download_missing,
     )
-    finish(m, str(opts.out))
+    finish(m, str(opts.out), quiet=not opts.progress)

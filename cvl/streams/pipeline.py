@@ -5,13 +5,15 @@ URL or local path, and whatever it knows: task, split, category, metadata) and p
 `SplitRule`. `build_stream` then
 
 1. drops bad rows with a counted reason (missing caption or image, unsafe or duplicate id,
-   non-UTF-8 text),
+   non-UTF-8 text, an image path that resolves outside the source's image root: `..`,
+   absolute paths, symlinks leading out),
 2. lets the split rule assign each row a task and a split (train / val / test / query /
    gallery),
 3. applies the task order (``default``, ``reversed`` or a comma list; a subset keeps only
    those tasks),
 4. gets the images: URLs through the download cache (img2dataset, see `download.py`), local
-   files through the same img2dataset resizer,
+   files through the same img2dataset resizer (an image whose header announces more than
+   `MAX_PIXELS` pixels is dropped as ``too_large`` before it is decoded),
 5. writes ``train/<task>/*.tar`` and ``eval/<split>/<task>/*.tar`` (KEY.jpg, KEY.txt,
    KEY.json with id, task, category, source, ...), ``stream.json``, ``build_report.json``
    and ``dropped.jsonl`` (every dropped sample with its reason), atomically.
@@ -38,8 +40,9 @@ import numpy as np
 from tqdm import tqdm
 
 from cvl.errors import CvlError
-from cvl.io import atomic_dir
+from cvl.io import atomic_dir, check_overwrite
 from cvl.streams.download import (
+    TOO_LARGE,
     DownloadCache,
     DownloadOptions,
     ImageOptions,
@@ -69,6 +72,7 @@ class Row:
     captions: list[str] | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     blob: tuple[str, int, int] | None = None  # (file, offset, length) of a base64 image (EC TSV)
+    root: str | None = None  # the image root `path` must resolve inside (else outside_root)
 
     @property
     def where(self) -> str:
@@ -141,8 +145,17 @@ def id_problem(raw: Any) -> str | None:
     return None
 
 
+def inside_root(path: str | Path, root: str | Path) -> bool:
+    """True when `path` resolves (symlinks followed) to a place inside the folder `root`."""
+    import os
+
+    p, r = Path(os.path.realpath(path)), Path(os.path.realpath(root))
+    return p == r or r in p.parents
+
+
 def validate_rows(rows: Iterable[Row], drop: Dropper) -> list[Row]:
-    """Drop rows without caption/image, with unsafe, non-UTF-8 or duplicate (per split) ids."""
+    """Drop rows without caption/image, with unsafe, non-UTF-8 or duplicate (per split) ids,
+    or with an image path outside their image root."""
     out: list[Row] = []
     seen: set[tuple[str, str]] = set()
     for r in rows:
@@ -163,6 +176,9 @@ def validate_rows(rows: Iterable[Row], drop: Dropper) -> list[Row]:
             continue
         if r.url and not r.path and not re.match(r"^https?://", r.url, re.I):
             drop("bad_url", r, detail=r.url[:200])
+            continue
+        if r.path and r.root is not None and not inside_root(r.path, r.root):
+            drop("outside_root", r, detail=f"{r.path} resolves outside {r.root}")
             continue
         k = (r.split, r.id)
         if k in seen:
@@ -536,10 +552,12 @@ class BuildOptions:
 
 
 def check_out(opts: BuildOptions) -> None:
-    """Refuse an existing output before any work (atomic_dir checks again at the end)."""
+    """Refuse an existing output before any work (atomic_dir checks again at the end): without
+    --overwrite, and with it unless cvl wrote it as a stream (`cvl.io.check_overwrite`)."""
     out = Path(opts.out)
     if out.exists() and not opts.overwrite:
         raise CvlError(f"{out.absolute()} exists (pass --overwrite to replace it)")
+    check_overwrite(out, "stream")
 
 
 def _image_plan(
@@ -686,7 +704,7 @@ def build_stream(
     out = Path(opts.out)
     written: dict[tuple[str, str], ShardSet] = {}
     cats: dict[str, set[str]] = {t: set() for t in order}
-    with atomic_dir(out, overwrite=opts.overwrite) as tmp:
+    with atomic_dir(out, overwrite=opts.overwrite, kind="stream") as tmp:
         seq = [(split, task) for task in order for split in SPLITS if (split, task) in groups]
         flat = [i for key in seq for i in groups[key]]
         bar = tqdm(
@@ -709,6 +727,8 @@ def build_stream(
                     why = (
                         "bad_base64"
                         if (err or "").startswith("undecodable base64")
+                        else TOO_LARGE
+                        if (err or "").startswith(TOO_LARGE)
                         else "bad_image"
                     )
                     drop(why, r, detail=f"{r.where}: {err}")

@@ -268,7 +268,9 @@ def build_protocol(
     out = Path(out)
     if out.exists() and not opts.overwrite:
         raise CvlError(f"{out.absolute()} exists (pass --overwrite to replace it)")
-    with atomic_dir(out, overwrite=opts.overwrite) as tmp:
+    with atomic_dir(
+        out, overwrite=opts.overwrite, kind="stream", inputs=[*given.values(), data]
+    ) as tmp:
         paths: dict[str, Path] = dict(given)
         for src in to_build:
             params = {**p.sources[src], **sets.get(src, {})}
@@ -382,6 +384,6 @@ def protocol_cmd(
         streams_dir=streams_dir,
         sets=parse_sets(set_specs),
     )
-    echo_summary(m, str(opts.out))
+    echo_summary(m, str(opts.out), quiet=not opts.progress)
     for b, bm in m.benchmarks.items():
         click.echo(f"  benchmark {b}: {bm.shards.count} pairs ({bm.description})")

@@ -34,8 +34,16 @@ from typing import Any
 
 import click
 
+from cvl.device import deterministic_option, device_option
 from cvl.errors import CvlError
-from cvl.io import atomic_write_bytes, read_json, write_json
+from cvl.io import (
+    atomic_write_bytes,
+    check_overwrite,
+    output_kind,
+    read_json,
+    write_json,
+    write_marker,
+)
 
 LABELS_DIR = "labels"
 LABELS_SCHEMA = "cvl.labels/1"
@@ -158,10 +166,7 @@ class _Images:
         return len(self.entries)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        import io
-
-        from PIL import Image
-
+        from cvl.data.images import open_image
         from cvl.data.reader import _FILES
 
         e = self.entries[i]
@@ -172,7 +177,7 @@ class _Images:
         except (ValueError, UnicodeDecodeError):
             pass
         try:
-            img = Image.open(io.BytesIO(_FILES.read(e.shard, e.image)))
+            img = open_image(_FILES.read(e.shard, e.image))  # MAX_PIXELS checked first
             img.load()
             x = self.processor(images=img.convert("RGB"), return_tensors="pt")["pixel_values"][0]
             err = None
@@ -195,6 +200,7 @@ class LabelOptions:
     num_workers: int = 0
     overwrite: bool = False
     progress: bool = True
+    device: str = "auto"  # one process: where the classifier runs (cvl.device); not in the key
 
 
 def _fingerprint(manifest: Any, opts: LabelOptions, n_classes: int, n_units: int) -> dict:
@@ -214,7 +220,24 @@ def _barrier(acc: Any) -> None:
 
 
 def label_stream(stream: str | os.PathLike, opts: LabelOptions, accelerator: Any = None) -> dict:
-    """Label every image of `stream` (resuming earlier work); returns labels.json's content."""
+    """Label every image of `stream` (resuming earlier work); returns labels.json's content.
+
+    The labels folder is locked for the run (rank 0 holds it, `cvl.lock`): two labelling
+    processes never write the same folder."""
+    from cvl.lock import lock_on_main
+
+    name = opts.name or default_name(opts.model)
+    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*", name):
+        raise CvlError(f"--name {name!r}: use letters, digits, '_', '-' and '.' (a folder name)")
+    lock = lock_on_main(labels_folder(stream, name), accelerator)
+    try:
+        return _label_stream(stream, opts, accelerator)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _label_stream(stream: str | os.PathLike, opts: LabelOptions, accelerator: Any) -> dict:
     import torch
     from tqdm import tqdm
 
@@ -237,16 +260,21 @@ def label_stream(stream: str | os.PathLike, opts: LabelOptions, accelerator: Any
                 "pass --name or --overwrite"
             )
         if info.get("stream") != manifest.fingerprint:
-            raise CvlError(f"{folder}: labels of an earlier version of the stream; pass --overwrite")
+            raise CvlError(
+                f"{folder}: labels of an earlier version of the stream; pass --overwrite"
+            )
         return {**info, "already_complete": True}
+    from cvl.device import resolve_device
+
     model, processor, classes = load_classifier(opts.model)
-    device = acc.device if acc is not None else torch.device("cpu")
+    device = acc.device if acc is not None else resolve_device(opts.device)
     model.to(device)
     parts = stream_parts(manifest)
     units, left_out = plan_units(parts, opts.unit_size)
     fp = _fingerprint(manifest, opts, len(classes), len(units))
     if main:
         if opts.overwrite and folder.exists():
+            check_overwrite(folder, "labels")  # only labels cvl wrote are discarded
             shutil.rmtree(folder)
         prog = parts_dir / PROGRESS_FILE
         if prog.is_file() and read_json(prog) != fp:
@@ -255,6 +283,8 @@ def label_stream(stream: str | os.PathLike, opts: LabelOptions, accelerator: Any
                 f"or --unit-size; see {prog}); rerun with those or pass --overwrite"
             )
         write_json(prog, fp)
+        if output_kind(folder) is None:
+            write_marker(folder, "labels")
     _barrier(acc)
     todo = [u for u in units if not (parts_dir / u.file).is_file()]  # every rank lists ...
     _barrier(acc)  # ... before any rank writes a new unit
@@ -274,6 +304,7 @@ def label_stream(stream: str | os.PathLike, opts: LabelOptions, accelerator: Any
         batch_sampler=batches,
         collate_fn=_collate,
         num_workers=opts.num_workers,
+        pin_memory=device.type == "cuda",
     )
     bar = tqdm(
         total=len(entries),
@@ -290,7 +321,7 @@ def label_stream(stream: str | os.PathLike, opts: LabelOptions, accelerator: Any
         for b, items in enumerate(loader):
             good = [it for it in items if it["x"] is not None]
             if good:
-                x = torch.stack([it["x"] for it in good]).to(device)
+                x = torch.stack([it["x"] for it in good]).to(device, non_blocking=True)
                 logits = model(pixel_values=x).logits.float()
                 if logits.shape[-1] != len(classes):
                     raise CvlError(
@@ -319,6 +350,8 @@ def label_stream(stream: str | os.PathLike, opts: LabelOptions, accelerator: Any
         "images": sum(u.stop - u.start for u in todo),
         "units": len(todo),
         "processes": world,
+        "device": str(device),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
         "seconds": round(time.perf_counter() - t0, 3),  # loop + waiting for the slowest rank
     }
     info: dict[str, Any] = {}
@@ -411,17 +444,6 @@ def _positive(ctx: click.Context, param: click.Parameter, value: int) -> int:
     return value
 
 
-def _accelerator() -> Any:
-    """An Accelerator when launched with several processes (accelerate launch / torchrun)."""
-    import torch
-
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        from accelerate import Accelerator
-
-        return Accelerator(cpu=not torch.cuda.is_available())
-    return None
-
-
 @click.command("pseudo-label")
 @click.option(
     "--stream",
@@ -454,6 +476,8 @@ def _accelerator() -> Any:
 )
 @click.option("--overwrite", is_flag=True, help="Discard existing or unfinished labels.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
+@device_option
+@deterministic_option
 def pseudo_label(
     stream: str,
     model: str,
@@ -463,6 +487,8 @@ def pseudo_label(
     workers: int,
     overwrite: bool,
     quiet: bool,
+    device: str,
+    deterministic: bool | None,
 ) -> None:
     """Top-1 class, label and confidence of every image of a stream (IncCLIP's BEiT step).
 
@@ -485,8 +511,12 @@ def pseudo_label(
         num_workers=workers,
         overwrite=overwrite,
         progress=not quiet,
+        device=device,
     )
-    acc = _accelerator()
+    from cvl.device import determinism, model_runner
+
+    acc, dev = model_runner(device)
+    click.get_current_context().with_resource(determinism(deterministic, dev))  # until return
     info = label_stream(stream, opts, acc)
     if acc is None or acc.is_main_process:
         folder = labels_folder(stream, opts.name or default_name(model))

@@ -2,7 +2,10 @@
 
 The readers never stop at a bad record: a line that is not valid UTF-8, has the wrong number of
 fields, is not valid JSON, or lacks a URL or caption is dropped with a reason and the next one
-is read. `collect` optionally draws a seeded random sample in two passes (pass 1 only notes
+is read. CSV/TSV is parsed strictly: a record with an unterminated quote (or a quote followed
+by text) is dropped as malformed and reading goes on at the line after the one it started on,
+so it never swallows the records after it; every record must have as many fields as the
+header (or, with --no-header, as the first record). `collect` optionally draws a seeded random sample in two passes (pass 1 only notes
 which records are usable, pass 2 parses the chosen ones), so a 12M-line CC12M file never sits
 in memory as rows.
 
@@ -87,31 +90,72 @@ def iter_lines(path: Path, delimiter: str = "\t") -> Iterator[Record]:
             yield no, line.split(delimiter)
 
 
+MAX_RECORD_LINES = 100  # a quoted field running over more lines is an unterminated quote
+
+
+class _Lines:
+    """A file's lines for `csv.reader`, remembering those of the record being read, so that a
+    malformed record can give back all its lines but the first to be read again."""
+
+    def __init__(self, f: io.TextIOBase) -> None:
+        self.f = f
+        self.back: list[str] = []  # lines given back, last first
+        self.taken: list[str] = []  # lines of the record being read
+
+    def __iter__(self) -> _Lines:
+        return self
+
+    def __next__(self) -> str:
+        if len(self.taken) >= MAX_RECORD_LINES:
+            raise csv.Error(f"a quoted field runs over more than {MAX_RECORD_LINES} lines")
+        line = self.back.pop() if self.back else next(self.f)
+        self.taken.append(line)
+        return line
+
+    def done(self) -> None:
+        self.taken.clear()
+
+    def give_back(self) -> None:
+        self.back.extend(reversed(self.taken[1:]))
+        self.taken.clear()
+
+
 def iter_csv(path: Path, delimiter: str, header: bool = True) -> Iterator[Record]:
-    """Records of a quoted CSV/TSV as dicts (header) or lists; unreadable ones as None."""
+    """Records of a quoted CSV/TSV as dicts (header) or lists; malformed ones as None.
+
+    Strict: an unterminated quote, text after a closing quote or a NUL byte make the record
+    malformed, and reading resumes at the line after its first; a record with another number
+    of fields than the header (or, without one, the first record) is malformed too."""
     with open_text(path) as f:
-        reader = csv.reader(f, delimiter=delimiter)
+        lines = _Lines(f)
+        reader = csv.reader(lines, delimiter=delimiter, strict=True)
         names: list[str] | None = None
+        width: int | None = None
         no = -1
         while True:
             try:
                 fields = next(reader)
             except StopIteration:
                 return
-            except csv.Error:  # NUL byte, runaway quote, ...: the reader moves on to the next line
+            except csv.Error:
+                lines.give_back()
                 no += 1
                 yield no, None
                 continue
+            lines.done()
             if header and names is None:
                 names = [n.strip().lstrip("\ufeff") for n in fields]
+                width = len(names)
                 continue
             no += 1
             if not fields or (len(fields) == 1 and not fields[0].strip()):
                 continue
-            if names is None:
-                yield no, fields
-            elif len(fields) != len(names):
+            if width is None:
+                width = len(fields)
+            if len(fields) != width:
                 yield no, None
+            elif names is None:
+                yield no, fields
             else:
                 yield no, dict(zip(names, fields))
 
@@ -333,7 +377,11 @@ def build_table(
             url, p = image_ref(get(rec, cols["url"]), root)
             rid = get(rec, cols["id"]) if id_col else f"{fi}-{no}" if multi else str(no)
             row = Row(
-                id=str(rid) if rid is not None else "", caption=caption or "", url=url, path=p
+                id=str(rid) if rid is not None else "",
+                caption=caption or "",
+                url=url,
+                path=p,
+                root=str(root),
             )
             if caption is None:
                 if d:
@@ -450,7 +498,8 @@ def build_table(
     "--images-root",
     type=click.Path(file_okay=False),
     default=None,
-    help="Where relative image paths start [the input file's folder].",
+    help="Where relative image paths start; every image path must resolve inside it (else "
+    "dropped as outside_root; / allows any) [the input file's folder].",
 )
 @click.option("--no-header", is_flag=True, help="CSV/TSV without a header: columns are 0, 1, ...")
 @click.option("--task-name", default="all", show_default=True, help="Task name without --task-col.")
@@ -512,4 +561,4 @@ def table_cmd(
         limit_per_task=limit_per_task,
         task_name=task_name,
     )
-    finish(m, str(opts.out))
+    finish(m, str(opts.out), quiet=not opts.progress)

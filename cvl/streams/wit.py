@@ -224,4 +224,4 @@ def wit_cmd(
         val=val,
         test=test,
     )
-    finish(m, str(opts.out))
+    finish(m, str(opts.out), quiet=not opts.progress)

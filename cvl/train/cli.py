@@ -6,6 +6,8 @@ from typing import Any
 
 import click
 
+from cvl.device import deterministic_option, device_option
+
 # CLI option name -> TrainConfig field; only options given explicitly override the YAML.
 _OPTS = [
     "stream",
@@ -39,6 +41,8 @@ _OPTS = [
     "skip_nonfinite",
     "grad_checkpointing",
     "compile",
+    "device",
+    "deterministic",
 ]
 
 
@@ -162,8 +166,9 @@ _OPTS = [
     type=int,
     default=-1,
     show_default=True,
-    help="Loader worker processes per training process (decode + augment): -1 = auto from "
-    "the CPU count, 0 = in the training process.",
+    help="Loader worker processes per training process (decode + augment): -1 = auto: the "
+    "usable CPUs / the node's training processes - 1 (at least 1, no upper limit); 0 = in the "
+    "training process.",
 )
 @click.option(
     "--checkpoint-every",
@@ -205,7 +210,8 @@ _OPTS = [
     default=0,
     show_default=True,
     help="Optimizer steps with a NaN/Inf loss to skip (no update, counted in the log as "
-    "nonfinite_skipped) before the run stops; 0 = stop at the first one.",
+    "nonfinite_skipped) before the run stops; 0 = stop at the first one. A task stops anyway "
+    "once more than 10% of its steps (and more than one) were skipped.",
 )
 @click.option(
     "--grad-checkpointing",
@@ -218,6 +224,8 @@ _OPTS = [
     is_flag=True,
     help="torch.compile the model's forward (slow first steps; pays off on long GPU runs).",
 )
+@device_option
+@deterministic_option
 @click.option(
     "--config",
     "config_path",

@@ -56,6 +56,8 @@ class TrainConfig:
     skip_nonfinite: int = 0  # optimizer steps with a NaN/Inf loss to skip before stopping
     grad_checkpointing: bool = False  # recompute activations in backward (memory for compute)
     compile: bool = False  # torch.compile the model's forward (training step only)
+    device: str = "auto"  # auto | cpu | cuda | cuda:N (cvl.device); multi-process: auto|cuda|cpu
+    deterministic: bool | None = None  # bit-reproducible kernels; None = per device (cvl.device)
 
     def validate(self) -> TrainConfig:
         """Clear one-line errors for values no run could use."""
@@ -83,6 +85,8 @@ class TrainConfig:
             raise CvlError(
                 f"--select must be one of {', '.join(SELECT_CHOICES)}, got '{self.select}'"
             )
+        if self.deterministic is not None and not isinstance(self.deterministic, bool):
+            raise CvlError(f"deterministic must be true or false, got {self.deterministic!r}")
         if self.pretrained and self.init_run:
             raise CvlError("give --pretrained FILE or --init-run RUN, not both")
         from cvl.models.tune import Tuning
@@ -106,6 +110,8 @@ class TrainConfig:
 # Keys that do not change what is computed (a resumed run may change them freely).
 # skip_nonfinite: a run stopped by a NaN must be resumable with a skip allowance added.
 # grad_checkpointing and compile compute the same function (up to floating-point rounding).
+# device and deterministic change where and how reproducibly the same maths runs, not what it
+# is: a run may move machines or switch modes (run.json's "runtime" records each change).
 NON_RESULT_KEYS = {
     "out",
     "workers",
@@ -116,6 +122,8 @@ NON_RESULT_KEYS = {
     "skip_nonfinite",
     "grad_checkpointing",
     "compile",
+    "device",
+    "deterministic",
 }
 
 
@@ -183,11 +191,22 @@ def parse_method_args(
     return out
 
 
-def config_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """Lines 'key: old -> new' for result-changing keys that differ.
+# Result-changing keys a `--force` resume may change in the middle of a task: the optimizer's
+# and the schedule's settings, applied from the resumed step on (the optimizer's moments and
+# the step count carry on). Any other change needs the task to start again (delete last/).
+MIDTASK_KEYS = {"lr", "min_lr", "warmup", "weight_decay", "beta1", "beta2", "eps", "grad_clip"}
+
+
+def config_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """{key: (old, new)} for result-changing keys that differ.
 
     Keys missing from `old` (a run written before the option existed) count as their default.
     """
     old = {**TrainConfig().to_json(), **old}
     keys = sorted((set(old) | set(new)) - NON_RESULT_KEYS)
-    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
+    return {k: (old.get(k), new.get(k)) for k in keys if old.get(k) != new.get(k)}
+
+
+def config_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Lines 'key: old -> new' for result-changing keys that differ (see `config_changes`)."""
+    return [f"{k}: {a!r} -> {b!r}" for k, (a, b) in config_changes(old, new).items()]

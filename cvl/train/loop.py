@@ -4,8 +4,10 @@ Data: each task's samples (+ the replay buffer's) are a map-style dataset; every
 global batches are a function of (seed, task, epoch) only, and rank r takes slice r of each
 global batch, so 2 processes × batch B compute exactly what 1 process × batch 2B does (the
 contrastive matrices are built over the gathered global batch, gradients are averaged across
-ranks). Each optimizer step re-seeds torch's RNG and `ctx.generator` from (seed, task, epoch,
-step), so a resumed run replays the same randomness without saving RNG states.
+ranks). Each optimizer step re-seeds torch's RNGs (CPU and, on a GPU, every CUDA generator)
+and `ctx.generator` from (seed, task, epoch, step, rank), so a resumed run replays the same
+randomness without saving RNG states. With `--deterministic` (the CPU's default; `cvl.device`)
+the kernels are deterministic too, so a resumed run ends bit-identical to an uninterrupted one.
 
 Per step, nothing leaves the device: loss terms and metrics are summed there and reduced
 across ranks (one all_reduce, one host sync) only when a log line is written, every
@@ -32,6 +34,7 @@ import torch
 from tqdm import tqdm
 
 from cvl import __version__
+from cvl.data.augment import device_images, train_transform
 from cvl.data.reader import (
     PairDataset,
     default_workers,
@@ -41,7 +44,8 @@ from cvl.data.reader import (
     sample_seed,
 )
 from cvl.data.transforms import image_transform
-from cvl.dist import average_gradients, broadcast_module, world_size
+from cvl.device import nondeterministic_ops_stop
+from cvl.dist import GradReducer, broadcast_module, world_size
 from cvl.errors import CvlError
 from cvl.io import atomic_dir, read_json, recover_dir, write_json
 from cvl.methods.base import Method, TaskContext, frozen_copy
@@ -56,6 +60,9 @@ LAST = "last"
 METHOD_STATE = "method_state"
 TUNE_STATE = "tune.safetensors"  # in last/: the adapters and base weights (--tune lora/dora)
 BEST_MODEL = "best_model.safetensors"  # in last/: the best-on-validation weights so far
+# A task stops when more than this share of its optimizer steps (and more than one) were
+# skipped for a non-finite loss, whatever --skip-nonfinite allows: it is no longer training.
+MAX_SKIPPED_SHARE = 0.1
 
 
 def cosine_schedule(total: int, warmup: float, base_lr: float, min_lr: float):
@@ -104,7 +111,8 @@ def _manifest_sha(m: Manifest) -> str | None:
 
 
 def seed_torch(seed: int, device: torch.device) -> None:
-    """torch.manual_seed, without its lazy accelerator seeding when training on the CPU.
+    """torch.manual_seed (the CPU generator and every CUDA generator), without its lazy
+    accelerator seeding when training on the CPU.
 
     On a CPU-only run `torch.manual_seed` queues a deferred seeding call (with a captured
     traceback) for each accelerator type every time: milliseconds per step and a list that
@@ -183,18 +191,20 @@ class Trainer:
     """Runs (or resumes) `cfg` into `cfg.out`; call `run()`."""
 
     def __init__(self, cfg: TrainConfig, force: bool = False, progress: bool = True) -> None:
-        from accelerate import Accelerator
+        from cvl.device import accelerator, apply_determinism, launch_device
 
         self.cfg = cfg
         self.out = Path(cfg.out)
         self.progress = progress
         log_with = self._trackers(cfg.log_with)
+        # before the model reaches a GPU: the cuBLAS workspace is fixed at its first call
+        self.deterministic = apply_determinism(cfg.deterministic, launch_device(cfg.device))
         try:
-            self.acc = Accelerator(
+            self.acc = accelerator(
+                cfg.device,
                 mixed_precision=cfg.precision,
                 log_with=log_with,
                 project_dir=str(self.out / "logs"),
-                cpu=not torch.cuda.is_available(),  # CPU multi-process (gloo) needs cpu=True
             )
         except (ValueError, RuntimeError) as e:
             raise CvlError(f"accelerate: {e}") from None
@@ -214,7 +224,12 @@ class Trainer:
             raise CvlError(
                 f"method '{cfg.method}' needs a replay buffer: add --buffer {hint} --buffer-size N"
             )
-        self._prepare_run_dir(force)
+        self._lock_run_dir()
+        try:
+            self._prepare_run_dir(force)
+        except BaseException:
+            self._release_lock()
+            raise
         if cfg.workers >= 0:
             self.workers = cfg.workers
         else:
@@ -224,6 +239,7 @@ class Trainer:
         self._forward = torch.compile(self.model) if cfg.compile else self.model
         self._entries: dict[str, list] = {}
         self._prev_cache: tuple[int, Any] | None = None
+        self._reducer = GradReducer()  # gradients averaged over ranks during the backward
 
     # -- setup -------------------------------------------------------------------------------
     @staticmethod
@@ -264,7 +280,31 @@ class Trainer:
             },
             "processes": self.acc.num_processes,
             "tuning": self.tuning.summary(),
+            "runtime": self._runtime(),
+            "earlier_runtimes": getattr(self, "_earlier_runtimes", []),
         }
+
+    def _runtime(self) -> dict[str, Any]:
+        """Where and how reproducibly this session trains (main process's device)."""
+        return {
+            "device": str(self.acc.device),
+            "deterministic": self.deterministic,
+            "deterministic_source": "default" if self.cfg.deterministic is None else "option",
+        }
+
+    def _note_runtime_change(self, old: dict[str, Any]) -> None:
+        """Keep the earlier sessions' runtimes that differ; say when determinism changes."""
+        self._earlier_runtimes = list(old.get("earlier_runtimes") or [])
+        before, now = old.get("runtime"), self._runtime()
+        if not before or before == now:
+            return
+        self._earlier_runtimes.append(before)
+        if before.get("deterministic") != now["deterministic"] and self.acc.is_main_process:
+            flag = "--deterministic" if now["deterministic"] else "--no-deterministic"
+            self.acc.print(
+                f"note: {self.out} continues with {flag} (it trained with the other mode so "
+                "far); run.json records both: an exact rerun needs the same mode throughout"
+            )
 
     def _prepare_run_dir(self, force: bool) -> None:
         from cvl.models import build_model
@@ -287,6 +327,7 @@ class Trainer:
         self.tuning = Tuning(cfg.tune, cfg.tune_args)  # which parameters train (cvl.models.tune)
         self.tuning.apply(self.model, self._tune_seed(0))
         rj = self.out / RUN_JSON
+        history: list[dict[str, Any]] = []
         if rj.is_file():
             old = read_json(rj)
             diff = config_diff(old.get("config", {}), cfg.to_json())
@@ -301,9 +342,11 @@ class Trainer:
                     f"{self.out} holds a run with another config ({'; '.join(diff)}); "
                     "use another --out, or --force to continue with the new config"
                 )
+            history = self._forced_history(old, diff)
+            self._note_runtime_change(old)
             self.resumed = True
         else:
-            if self.out.exists() and any(self.out.iterdir()):
+            if self.out.exists() and (not self.out.is_dir() or any(self.out.iterdir())):
                 raise CvlError(
                     f"{self.out} exists and is not a cvl run folder; choose another --out"
                 )
@@ -311,7 +354,7 @@ class Trainer:
         self.acc.wait_for_everyone()  # every rank has checked the folder before rank 0 writes
         if self.acc.is_main_process:
             self.out.mkdir(parents=True, exist_ok=True)
-            write_json(rj, self._run_json())
+            write_json(rj, {**self._run_json(), **({"changes": history} if history else {})})
             if not (self.out / "init" / MODEL_FILE).is_file():
                 from cvl.models import save_weights
 
@@ -322,6 +365,80 @@ class Trainer:
     def _tune_seed(self, ti: int) -> int:
         """The seed of task `ti`'s fresh adapter (`--tune lora/dora`)."""
         return sample_seed(int(self.cfg.seed), ti, 29)
+
+    def _lock_run_dir(self) -> None:
+        """Hold RUN's lock for the whole run (rank 0; every rank learns the outcome), then
+        remove what killed writers left: temp and old copies of last/, init/, task folders."""
+        from cvl.io import recover_children
+        from cvl.lock import lock_on_main
+
+        self._lock = lock_on_main(self.out, self.acc)
+        if self.acc.is_main_process and (self.out / RUN_JSON).is_file():
+            recover_children(self.out)
+            recover_children(self.out / "tasks")
+        self.acc.wait_for_everyone()
+
+    def _release_lock(self) -> None:
+        lock = getattr(self, "_lock", None)
+        if lock is not None:
+            lock.release()
+
+    def _resume_at(self) -> tuple[int, dict[str, Any] | None]:
+        """The first task still to train and, if last/ holds that task's mid-task checkpoint,
+        its position (last/position.json)."""
+        order = list(self.manifest.task_order)
+        single = getattr(self.method, "single_task", False)
+        indices = [len(order) - 1] if single else list(range(len(order)))
+        done = [i for i in indices if (task_dir(self.out, i, order[i]) / MODEL_FILE).is_file()]
+        start = next((i for i in indices if i not in done), len(order))
+        lp = self.out / LAST / "position.json"
+        pos = read_json(lp) if lp.is_file() else None
+        return start, pos if pos is not None and pos.get("task_index") == start else None
+
+    def _forced_history(self, old: dict[str, Any], diff: list[str]) -> list[dict[str, Any]]:
+        """run.json's record of the config changes made with --force: earlier ones kept, this
+        one added with the task and step from which it applies. A change that a mid-task
+        checkpoint cannot carry on with (anything but the optimizer and schedule settings) is
+        refused while a task is half done."""
+        import datetime
+
+        from cvl.train.config import MIDTASK_KEYS, config_changes
+
+        history = list(old.get("changes") or [])
+        self._forced: set[str] = set()
+        if not diff:
+            return history
+        fields = config_changes(old.get("config", {}), self.cfg.to_json())
+        stream = [d for d in diff if d.startswith("stream:")]
+        start, pos = self._resume_at()
+        order = list(self.manifest.task_order)
+        if pos is not None:
+            bad = sorted(set(fields) - MIDTASK_KEYS)
+            bad += ["the stream's content"] if any("content differs" in d for d in stream) else []
+            if bad:
+                raise CvlError(
+                    f"{self.out}: --force cannot change {', '.join(bad)} in the middle of task "
+                    f"{order[start]} (last/ holds step {pos['step']}): rerun with the old "
+                    f"value(s) to finish the task, or delete {self.out / LAST}/ to restart the "
+                    "task from its beginning with the new ones"
+                )
+        self._forced = set(fields)
+        history.append(
+            {
+                "task_index": start,
+                "task": order[start] if start < len(order) else None,
+                "step": pos["step"] if pos is not None else 0,
+                "fields": {k: [a, b] for k, (a, b) in fields.items()},
+                **({"stream": stream} if stream else {}),
+                "time": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            }
+        )
+        if self.acc.is_main_process:
+            where = f"task {start}" + (f", step {pos['step']}" if pos is not None else "")
+            self.acc.print(
+                f"--force: {', '.join(sorted(fields)) or 'stream'} changed from {where} on"
+            )
+        return history
 
     def _sync_batchnorm(self) -> None:
         """BatchNorm statistics over the global batch when several GPUs train (SyncBatchNorm).
@@ -394,6 +511,14 @@ class Trainer:
 
     # -- the loop ----------------------------------------------------------------------------
     def run(self) -> None:
+        """Train every task not finished yet, resuming a mid-task checkpoint; releases RUN's
+        lock at the end (the kernel does if the process dies)."""
+        try:
+            self._run()
+        finally:
+            self._release_lock()
+
+    def _run(self) -> None:
         cfg, acc = self.cfg, self.acc
         self.order = list(self.manifest.task_order)
         if self.acc.is_main_process and self._trackers(cfg.log_with):
@@ -416,10 +541,11 @@ class Trainer:
         single = getattr(self.method, "single_task", False)
         indices = [len(self.order) - 1] if single else list(range(len(self.order)))
         start, pos = self._resume_point(indices, ctx)
-        for ti in indices:
-            if ti < start:
-                continue
-            self._train_task(ti, ctx, pos if ti == start else None)
+        with nondeterministic_ops_stop(acc.device):  # deterministic mode: name the op, one line
+            for ti in indices:
+                if ti < start:
+                    continue
+                self._train_task(ti, ctx, pos if ti == start else None)
         acc.wait_for_everyone()
         if acc.is_main_process:
             acc.end_training()
@@ -429,22 +555,16 @@ class Trainer:
         from cvl.models import load_weights
 
         done = [i for i in indices if (task_dir(self.out, i, self.order[i]) / MODEL_FILE).is_file()]
-        start = next((i for i in indices if i not in done), len(self.order))
         if done:
             last_done = max(done)
             d = task_dir(self.out, last_done, self.order[last_done])
             load_weights(self.model, d / MODEL_FILE)
             st = load_state(d, METHOD_STATE)
             self._restore_method_state(st, ctx)
-        pos = None
         if self.acc.is_main_process:
             recover_dir(self.out / LAST)  # a kill inside the last/ swap: the previous one
         self.acc.wait_for_everyone()
-        lp = self.out / LAST / "position.json"
-        if lp.is_file():
-            pos = read_json(lp)
-            if pos.get("task_index") != start:
-                pos = None  # stale (from a task that has since finished)
+        start, pos = self._resume_at()  # a stale last/ (of a task since finished) is ignored
         if start >= len(self.order) and self.acc.is_main_process:
             self.acc.print(
                 f"{self.out}: all {len(self.order)} tasks already trained; nothing to do"
@@ -473,7 +593,48 @@ class Trainer:
 
     def _optimizer(self, steps: int):
         opt, sched = optimizer_with_schedule(self._params(), self.cfg, steps)
-        return self.acc.prepare_optimizer(opt, device_placement=False), sched
+        self._opt = self.acc.prepare_optimizer(opt, device_placement=False)
+        return self._opt, sched
+
+    def _load_last(self, opt: Any, sched: Any, ctx: TaskContext, total: int) -> None:
+        """Restore the mid-task checkpoint (weights, optimizer, schedule, method state), then
+        the optimizer settings a --force resume changed; an unreadable file is one line."""
+        from cvl.models import load_weights
+
+        last = self.out / LAST
+        try:
+            load_weights(self.model, last / MODEL_FILE)
+            if (last / TUNE_STATE).is_file():  # --tune lora/dora: the adapters and base weights
+                from safetensors.torch import load_file
+
+                self.tuning.load_state(self.model, load_file(str(last / TUNE_STATE)))
+            opt.load_state_dict(load_torch(last / "optimizer.pt"))
+            sched.load_state_dict(load_torch(last / "scheduler.pt"))
+            self._restore_method_state(load_state(last, METHOD_STATE), ctx)
+        except Exception as e:  # noqa: BLE001 (torch, safetensors and JSON raise their own)
+            why = " ".join(str(e).split())[:160] or type(e).__name__
+            raise CvlError(
+                f"{last}: the mid-task checkpoint of task {ctx.task_name} cannot be read "
+                f"({why}); delete {last}/ to restart the task from its beginning "
+                "(finished tasks are kept)"
+            ) from None
+        self._apply_forced_settings(opt, sched, total)
+
+    def _apply_forced_settings(self, opt: Any, sched: Any, total: int) -> None:
+        """After a --force resume that changed lr, min_lr, warmup, weight decay, betas or eps:
+        this config's settings and schedule from the resumed step on (the loaded state holds
+        the old ones). The optimizer's moments and the step count are kept."""
+        from cvl.train.config import MIDTASK_KEYS
+
+        if not (getattr(self, "_forced", set()) & MIDTASK_KEYS):
+            return
+        fresh, fresh_sched = optimizer_with_schedule(self._params(), self.cfg, total)
+        for g, f in zip(opt.param_groups, fresh.param_groups):
+            g.update({k: v for k, v in f.items() if k != "params"})
+        sched.base_lrs = list(fresh_sched.base_lrs)
+        sched.lr_lambdas = fresh_sched.lr_lambdas
+        for g, base, lam in zip(opt.param_groups, sched.base_lrs, sched.lr_lambdas):
+            g["lr"] = base * lam(sched.last_epoch)
 
     def _train_task(self, ti: int, ctx: TaskContext, pos: dict | None) -> None:
         cfg, acc = self.cfg, self.acc
@@ -496,7 +657,7 @@ class Trainer:
         entries = self.method.task_entries(ctx)
         ds = PairDataset(
             entries,
-            transform=image_transform(self.model.image_size, train=True, augment=cfg.augment),
+            transform=train_transform(self.model.image_size, cfg.augment, acc.device),
             tokenize=self.model.tokenizer,
             skipped=Counter(self.skipped.get(name, {})),
             name=f"task {name}",
@@ -512,16 +673,7 @@ class Trainer:
         epoch0, batch0 = 0, 0
         if pos is not None:
             last = self.out / LAST
-            from cvl.models import load_weights
-
-            load_weights(self.model, last / MODEL_FILE)
-            if (last / TUNE_STATE).is_file():
-                from safetensors.torch import load_file
-
-                self.tuning.load_state(self.model, load_file(str(last / TUNE_STATE)))
-            opt.load_state_dict(load_torch(last / "optimizer.pt"))
-            sched.load_state_dict(load_torch(last / "scheduler.pt"))
-            self._restore_method_state(load_state(last, METHOD_STATE), ctx)
+            self._load_last(opt, sched, ctx, total)
             epoch0, batch0, ctx.step = pos["epoch"], pos["batch"], pos["step"]
             self._truncate_log(ctx.step)
             if self._keeper is not None:
@@ -581,7 +733,7 @@ class Trainer:
                         sample_seed(cfg.seed, ti, epoch, ctx.step)
                     )
                     self.method.before_step(ctx)
-                batch["image"] = batch["image"].to(acc.device, non_blocking=True)
+                batch["image"] = device_images(batch, ds.transform, acc.device)
                 batch["text"] = batch["text"].to(acc.device, non_blocking=True)
                 with acc.autocast():
                     out = self._forward(batch["image"], batch["text"])
@@ -592,6 +744,8 @@ class Trainer:
                 if self._nonfinite(loss, terms, batch, ctx):
                     skip_step = True  # no backward; the whole optimizer step is skipped
                 else:
+                    last = micro + 1 == cfg.grad_accum and not skip_step
+                    self._reducer.prepare(self._params(), last)
                     acc.backward(loss / cfg.grad_accum)
                     window.add_micro(terms, ctx.metrics, cfg.grad_accum, batch)
                 ctx.metrics = {}
@@ -603,7 +757,7 @@ class Trainer:
                 gnorm = None
                 lr = opt.param_groups[0]["lr"]
                 if not skip_step:
-                    average_gradients(params)
+                    self._reducer.finish(params)
                     self.method.after_backward(ctx)
                     if cfg.grad_clip > 0:
                         gnorm = acc.clip_grad_norm_(params, cfg.grad_clip)
@@ -651,7 +805,9 @@ class Trainer:
         of it, so every rank takes the same decision and none waits in a collective the others
         skip): stopping at the exact step, with the batch's sample ids, needs it. Past the
         allowance the run stops with the term names, the step and the sample ids; last/ still
-        holds the previous good checkpoint.
+        holds the previous good checkpoint. A task also stops once more than
+        `MAX_SKIPPED_SHARE` of its steps (and more than one) were skipped, whatever the
+        allowance: a task that skips that many is no longer being trained.
         """
         flag = torch.isfinite(loss.detach()).float()
         if world_size() > 1:
@@ -664,23 +820,76 @@ class Trainer:
         where = f"task {ctx.task_name} (index {ctx.task_index}), step {ctx.step + 1}"
         ids = [str(i) for i in batch.get("id", [])]
         if self.nonfinite_skipped > self.cfg.skip_nonfinite:
-            lp = self.out / LAST / "position.json"
-            kept = (
-                f"last/ (task {ctx.task_index}, step {read_json(lp)['step']})"
-                if lp.is_file()
-                else "the last finished task"
-            )
             raise CvlError(
                 f"non-finite loss at {where}: {vals or 'on another rank'}; "
                 f"sample ids (rank {self.acc.process_index}): {', '.join(ids[:32])}"
                 + (" ..." if len(ids) > 32 else "")
-                + f"; the run can resume from {kept}: fix the data or add --skip-nonfinite N"
+                + f"; {self._lr_hint()}; {self._resume_hint(ctx)}: fix the data or the "
+                "settings, or add --skip-nonfinite N"
+            )
+        n_task, limit = self._count_task_skip(ctx)
+        if n_task > limit:
+            raise CvlError(
+                f"non-finite loss at {where}: {n_task} of the task's {ctx.steps_in_task} steps "
+                f"skipped, more than {MAX_SKIPPED_SHARE:.0%} (at most {limit}): the task is not "
+                f"training; {self._lr_hint()}; {self._resume_hint(ctx)}"
             )
         self.acc.print(
             f"warning: non-finite loss at {where} ({vals or 'on another rank'}): step skipped "
             f"({self.nonfinite_skipped} of --skip-nonfinite {self.cfg.skip_nonfinite})"
         )
         return True
+
+    def _count_task_skip(self, ctx: TaskContext) -> tuple[int, int]:
+        """Count one more skipped step of this task: (skipped so far, most allowed).
+
+        Steps skipped before a resume come from the task's log (truncated to the resumed
+        step); every rank reads it after the step's all-reduce, so all decide alike."""
+        c = getattr(self, "_skips", None)
+        if c is None or c[0] != ctx.task_index:
+            logged = 0
+            if self._log_path.is_file():
+                for ln in self._log_path.read_text().splitlines():
+                    logged += json.loads(ln).get("nonfinite_skipped", 0) if ln else 0
+            c = self._skips = [ctx.task_index, logged]
+        c[1] += 1
+        return c[1], max(1, int(MAX_SKIPPED_SHARE * ctx.steps_in_task))
+
+    def _lr_hint(self) -> str:
+        opt = getattr(self, "_opt", None)
+        now = f"lr {opt.param_groups[0]['lr']:.3g} at this step, " if opt is not None else ""
+        return f"{now}--lr {self.cfg.lr:g}: a lower --lr or a --grad-clip often helps"
+
+    def _resume_hint(self, ctx: TaskContext) -> str:
+        """What a rerun of the same command starts from (nothing is promised that is not there)."""
+        from cvl.runs import finished_tasks
+
+        lp = self.out / LAST / "position.json"
+        if lp.is_file():
+            p = read_json(lp)
+            if p.get("task_index") == ctx.task_index:
+                return f"the run can resume from last/ (task {ctx.task_index}, step {p['step']})"
+        done = [c for c in finished_tasks(self.out) if c.index < ctx.task_index]
+        if done:
+            return f"the run can resume from the end of task {done[-1].path.name}"
+        return "no checkpoint yet: a rerun starts from the initial weights"
+
+    def _check_weights(self, ctx: TaskContext) -> None:
+        """Stop before a checkpoint holds NaN/Inf weights (at each checkpoint and task end:
+        one finiteness flag per tensor, one host sync). Replicas are equal on every rank, so
+        every rank stops alike without a collective."""
+        params = list(self.model.named_parameters())
+        if not params:
+            return
+        ok = torch.stack([torch.isfinite(p.detach()).all() for _, p in params])
+        if bool(ok.all()):
+            return
+        bad = [n for (n, _), good in zip(params, ok.tolist()) if not good]
+        raise CvlError(
+            f"non-finite weights at task {ctx.task_name} (index {ctx.task_index}), step "
+            f"{ctx.step}: {len(bad)} tensor(s), e.g. {bad[0]}; not saved; {self._lr_hint()}; "
+            f"{self._resume_hint(ctx)}"
+        )
 
     def _flush_log(
         self, window: _LogWindow, ctx: TaskContext, epoch: int, lr: float, bar: tqdm
@@ -765,6 +974,7 @@ class Trainer:
         """Mid-task checkpoint: written to a temp folder, then renamed over last/."""
         from cvl.models import save_weights
 
+        self._check_weights(ctx)
         state = self._method_state(ctx)  # collective-free; every rank computes it
         if self.acc.is_main_process:
             with atomic_dir(self.out / LAST, overwrite=True) as tmp:
@@ -794,12 +1004,13 @@ class Trainer:
             recs = [json.loads(x) for x in self._log_path.read_text().splitlines() if x]
         return {
             "replaced_samples": sum(r.get("replaced_samples", 0) for r in recs),
-            "nonfinite_skipped_steps": sum(1 for r in recs if "nonfinite_skipped" in r),
+            "nonfinite_skipped_steps": sum(r.get("nonfinite_skipped", 0) for r in recs),
         }
 
     def _finish_task(self, ti: int, ctx: TaskContext, _: list) -> None:
         from cvl.models import save_weights
 
+        self._check_weights(ctx)
         state = self._method_state(ctx)
         if self.acc.is_main_process:
             d = task_dir(self.out, ti, self.order[ti])

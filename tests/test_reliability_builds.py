@@ -1,0 +1,170 @@
+"""Stream builders read hostile inputs safely: decompression bombs are refused from the header
+(counted `too_large`, memory flat), image paths that resolve outside the image root are
+counted `outside_root`, and CSV/TSV rows with an unterminated quote or the wrong number of
+fields are counted, never merged into their neighbours."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import struct
+import zlib
+from pathlib import Path
+
+import pytest
+from archive_helpers import captions_of, jpeg, write_karpathy
+
+from cvl.cli import main
+from cvl.data.reader import MAX_PIXELS
+
+
+def _png_1bit(w: int, h: int) -> bytes:
+    """A complete, valid 1-bit PNG of w×h black pixels: a few KB on disk, w·h bytes decoded."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (
+            struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        )
+
+    row = b"\0" * (1 + (w + 7) // 8)
+    c = zlib.compressobj(9)
+    idat = b"".join(c.compress(row) for _ in range(h)) + c.flush()
+    ihdr = struct.pack(">IIBBBBB", w, h, 1, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
+
+
+def _header_png(w: int, h: int) -> bytes:
+    """Only a PNG header announcing w×h RGB pixels (what a 32000×32000 bomb starts with)."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (
+            struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        )
+
+    ihdr = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 99))
+
+
+def _report(out: Path) -> dict:
+    return json.loads((out / "build_report.json").read_text())
+
+
+def _coco(tmp_path: Path) -> tuple[Path, Path, dict]:
+    data = tmp_path / "D"
+    js = write_karpathy(data, "coco", {"train": 6, "test": 2}, filepath=True)
+    return data, js, json.loads(js.read_text())
+
+
+def _build_coco(data: Path, js: Path, out: Path) -> int:
+    return main(
+        ["build-stream", "coco", "--json", str(js), "--images", str(data)]
+        + [*("--out", str(out), "--quiet")]
+    )
+
+
+def test_bomb_images_are_counted_too_large_before_decoding(tmp_path):
+    data, js, d = _coco(tmp_path)
+    assert _build_coco(data, js, tmp_path / "warm") == 0  # imports (OpenCV, ...) paid first
+    assert 9000 * 9000 > MAX_PIXELS
+    ims = d["images"]
+    small = _png_1bit(9000, 9000)  # 81 Mpx: ~81 MB once decoded by OpenCV, 10 KB here
+    assert len(small) < 20_000
+    (data / ims[0]["filepath"] / ims[0]["filename"]).write_bytes(small)
+    (data / ims[1]["filepath"] / ims[1]["filename"]).write_bytes(_header_png(32000, 32000))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    assert _build_coco(data, js, tmp_path / "s") == 0
+    grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    rep = _report(tmp_path / "s")
+    assert rep["dropped"] == {"too_large": 2}
+    assert rep["kept_total"] == 6
+    assert all("exceeds MAX_PIXELS" in e for e in rep["dropped_examples"]["too_large"])
+    assert grown_mb < 60
+
+
+def test_image_paths_outside_the_image_root_are_counted(tmp_path):
+    data, js, d = _coco(tmp_path)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "o.jpg").write_bytes(jpeg("o.jpg"))
+    os.symlink(outside / "o.jpg", data / "train2014" / "link.jpg")
+    (data / "train2014" / "inner.jpg").symlink_to(data / "train2014" / d["images"][0]["filename"])
+
+    def rec(i: int, **kw: str) -> dict:
+        caps = captions_of(f"x{i}")
+        return {"imgid": 900 + i, "split": "train", "sentences": [{"raw": c} for c in caps], **kw}
+
+    d["images"] += [
+        rec(0, filepath="../outside", filename="o.jpg"),  # `..`
+        rec(1, filepath="train2014", filename=str(outside / "o.jpg")),  # absolute
+        rec(2, filepath="train2014", filename="link.jpg"),  # a symlink leading out
+        rec(3, filepath="train2014", filename="inner.jpg"),  # a symlink inside: fine
+    ]
+    js.write_text(json.dumps(d))
+    assert _build_coco(data, js, tmp_path / "s") == 0
+    rep = _report(tmp_path / "s")
+    assert rep["dropped"] == {"outside_root": 3}
+    assert rep["kept_total"] == 8 + 1
+    csv = tmp_path / "pairs" / "pairs.csv"  # the table source, same rule
+    (tmp_path / "pairs" / "img").mkdir(parents=True)
+    (tmp_path / "pairs" / "img" / "a.jpg").write_bytes(jpeg("a"))
+    os.symlink(outside / "o.jpg", tmp_path / "pairs" / "img" / "out.jpg")
+    csv.write_text(
+        "image,caption\nimg/a.jpg,a good one\n../outside/o.jpg,up and out\n"
+        f"{outside / 'o.jpg'},absolute\nimg/out.jpg,through a link\n"
+    )
+    table = ["build-stream", "table", "--input", str(csv), "--url-col", "image"]
+    assert main([*table, "--caption-col", "caption", "--out", str(tmp_path / "t"), "--quiet"]) == 0
+    rep = _report(tmp_path / "t")
+    assert rep["dropped"] == {"outside_root": 3} and rep["kept_total"] == 1
+
+
+@pytest.fixture
+def table_dir(tmp_path):
+    d = tmp_path / "pairs"
+    (d / "img").mkdir(parents=True)
+    for n in ("good1", "good2", "bad", "five", "z"):
+        (d / "img" / f"{n}.jpg").write_bytes(jpeg(n))
+    return d
+
+
+def _table(csv: Path, out: Path, *extra: str) -> dict:
+    argv = ["build-stream", "table", "--input", str(csv), "--out", str(out), "--quiet"]
+    assert main([*argv, *extra]) == 0
+    samples = []
+    from cvl.data.reader import PairDataset
+    from cvl.streams.manifest import load_manifest
+
+    m = load_manifest(out)
+    ds = PairDataset.from_shards(m.train_shards(m.task_order[0]))
+    samples = [ds.read_raw(i)[1] for i in range(len(ds))]
+    return {**_report(out), "captions": sorted(samples)}
+
+
+def test_csv_unterminated_quote_is_counted_not_merged(table_dir, tmp_path):
+    csv = table_dir / "pairs.csv"
+    csv.write_text('image,caption\nimg/good1.jpg,one\nimg/bad.jpg,"unterminated\nimg/good2.jpg,c\n')
+    r = _table(csv, tmp_path / "s", "--url-col", "image", "--caption-col", "caption")
+    assert (r["read"], r["kept_total"], r["dropped"]) == (3, 2, {"malformed_row": 1})
+    assert r["captions"] == ["c", "one"]
+    csv.write_text(  # a quote followed by text, and a record quoted over two lines (fine)
+        'image,caption\nimg/good1.jpg,"one"x\nimg/good2.jpg,"two\nlines"\nimg/z.jpg,z\n'
+    )
+    r = _table(csv, tmp_path / "s2", "--url-col", "image", "--caption-col", "caption")
+    assert (r["read"], r["kept_total"], r["dropped"]) == (3, 2, {"malformed_row": 1})
+    assert r["captions"] == ["two lines", "z"]
+
+
+@pytest.mark.parametrize("header", [True, False])
+def test_csv_rows_with_the_wrong_number_of_fields_are_dropped_in_both_modes(
+    table_dir, tmp_path, header
+):
+    rows = "img/good1.jpg,one\nimg/five.jpg,a,b,c,d\nimg/good2.jpg,two\nimg/z.jpg\n"
+    csv = table_dir / "pairs.csv"
+    csv.write_text(("image,caption\n" if header else "") + rows)
+    cols = ["--url-col", "image", "--caption-col", "caption"]
+    if not header:
+        cols = ["--url-col", "0", "--caption-col", "1", "--no-header"]
+    r = _table(csv, tmp_path / "s", *cols)
+    assert (r["read"], r["kept_total"], r["dropped"]) == (4, 2, {"malformed_row": 2})
+    assert r["captions"] == ["one", "two"]

@@ -254,3 +254,22 @@ def deterministic_option(f: Callable) -> Callable:
 def device_option(f: Callable) -> Callable:
     """`--device` for a model-running command (see DEVICE_HELP)."""
     return click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)(f)
+
+
+@contextlib.contextmanager
+def determinism(flag: bool | None, device: torch.device | str) -> Iterator[bool]:
+    """`apply_determinism` for the length of a command, yielding the mode in force; torch's
+    previous mode is put back afterwards, so a caller in the same process (a test, a notebook
+    calling `cvl.cli.main`) does not inherit it."""
+    import torch
+
+    prev = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+    )
+    try:
+        yield apply_determinism(flag, device)
+    finally:
+        torch.use_deterministic_algorithms(prev[0])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = prev[1], prev[2]

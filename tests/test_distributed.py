@@ -125,6 +125,14 @@ def test_two_processes_equal_one_with_double_batch(synth_stream, tmp_path):
     assert_equivalent(l1, l2, w1, w2, keys=("loss", "itc"))
 
 
+@pytest.mark.slow
+def test_two_processes_equal_one_with_lora_adapters(synth_stream, tmp_path):
+    """--tune lora: the adapters (drawn from the seed on every rank) get rank-averaged
+    gradients, and a merge (TIES, every task from θ_0) deploys the same weights."""
+    l1, l2, w1, w2 = run_pair(synth_stream, tmp_path, ["--method", "ties", "--tune", "lora"])
+    assert_equivalent(l1, l2, w1, w2, keys=("loss", "itc"))
+
+
 # Relative per-step loss tolerance where a temperature demands it (default: 1e-5 absolute).
 # IncCLIP: τ_old = 0.01 puts the old logits at ~100, where float32 log-softmax is exact to
 # ~2e-5 per entry (×λ = 5 in `kd`); measured 2.7e-5 on kd ≈ 19 (1.4e-6 relative).

@@ -418,6 +418,15 @@ class FusionModel(VLModel):
     def bert(self) -> _Bert:
         return self.text_encoder.bert
 
+    def towers(self) -> dict[str, tuple[str, ...]]:
+        """The ViT + its projection; the BERT embeddings, text layers + their projection (the
+        fusion layers and the MLM head are neither)."""
+        layers = tuple(f"text_encoder.bert.encoder.layer.{i}." for i in range(self.text_layers))
+        return {
+            "image": ("visual_encoder.", "vision_proj."),
+            "text": ("text_encoder.bert.embeddings.", *layers, "text_proj."),
+        }
+
     # --- encoders ------------------------------------------------------------------------------
     def image_tokens(self, images: torch.Tensor) -> torch.Tensor:
         """ViT output tokens [N, 1+P, W] (CLS first, final LayerNorm applied)."""

@@ -58,6 +58,7 @@ from cvl.train.selection import BestKeeper, selection_set, val_score
 
 LAST = "last"
 METHOD_STATE = "method_state"
+TUNE_STATE = "tune.safetensors"  # in last/: the adapters and base weights (--tune lora/dora)
 BEST_MODEL = "best_model.safetensors"  # in last/: the best-on-validation weights so far
 # A task stops when more than this share of its optimizer steps (and more than one) were
 # skipped for a non-finite loss, whatever --skip-nonfinite allows: it is no longer training.
@@ -278,6 +279,7 @@ class Trainer:
                 "python": platform.python_version(),
             },
             "processes": self.acc.num_processes,
+            "tuning": self.tuning.summary(),
             "runtime": self._runtime(),
             "earlier_runtimes": getattr(self, "_earlier_runtimes", []),
         }
@@ -320,6 +322,10 @@ class Trainer:
         self._sync_batchnorm()
         self.model.to(self.acc.device)
         broadcast_module(self.model)
+        from cvl.models.tune import Tuning
+
+        self.tuning = Tuning(cfg.tune, cfg.tune_args)  # which parameters train (cvl.models.tune)
+        self.tuning.apply(self.model, self._tune_seed(0))
         rj = self.out / RUN_JSON
         history: list[dict[str, Any]] = []
         if rj.is_file():
@@ -355,6 +361,10 @@ class Trainer:
                 with atomic_dir(self.out / "init", overwrite=True) as tmp:
                     save_weights(self.model, tmp / MODEL_FILE)
         self.acc.wait_for_everyone()
+
+    def _tune_seed(self, ti: int) -> int:
+        """The seed of task `ti`'s fresh adapter (`--tune lora/dora`)."""
+        return sample_seed(int(self.cfg.seed), ti, 29)
 
     def _lock_run_dir(self) -> None:
         """Hold RUN's lock for the whole run (rank 0; every rank learns the outcome), then
@@ -594,6 +604,10 @@ class Trainer:
         last = self.out / LAST
         try:
             load_weights(self.model, last / MODEL_FILE)
+            if (last / TUNE_STATE).is_file():  # --tune lora/dora: the adapters and base weights
+                from safetensors.torch import load_file
+
+                self.tuning.load_state(self.model, load_file(str(last / TUNE_STATE)))
             opt.load_state_dict(load_torch(last / "optimizer.pt"))
             sched.load_state_dict(load_torch(last / "scheduler.pt"))
             self._restore_method_state(load_state(last, METHOD_STATE), ctx)
@@ -633,6 +647,7 @@ class Trainer:
         if not self.method.trains:
             self._finish_task(ti, ctx, [])
             return
+        self.tuning.begin_task(self.model, self._tune_seed(ti))
         self.method.before_task(ctx)
         sel = selection_set(self.manifest, name, cfg.select, self.method)
         self._keeper = BestKeeper() if sel else None
@@ -776,6 +791,7 @@ class Trainer:
             k = self._keeper
             self.acc.print(f"task {name}: keeping epoch {k.epoch + 1} (val Rm {k.score:.2f})")
         self.method.after_task(ctx)
+        self.tuning.end_task(self.model)  # LoRA/DoRA: merged, the checkpoint is plain weights
         if ctx.buffer is not None:
             ctx.buffer.update(name, ctx.task_entries, ctx)
         self._finish_task(ti, ctx, [])
@@ -963,6 +979,10 @@ class Trainer:
         if self.acc.is_main_process:
             with atomic_dir(self.out / LAST, overwrite=True) as tmp:
                 save_weights(self.model, tmp / MODEL_FILE)
+                if self.tuning.adapters:
+                    from safetensors.torch import save_file
+
+                    save_file(self.tuning.state(self.model), str(tmp / TUNE_STATE))
                 save_torch(tmp / "optimizer.pt", opt.state_dict())
                 save_torch(tmp / "scheduler.pt", sched.state_dict())
                 save_state(tmp, METHOD_STATE, state)
@@ -1007,6 +1027,7 @@ class Trainer:
                         "steps": ctx.step,
                         "train_items": len(ctx.task_entries),
                         "buffer_items": len(ctx.buffer) if ctx.buffer is not None else 0,
+                        "trainable_params": self.tuning.trainable,
                         "skipped": getattr(self, "skipped", {}).get(ctx.task_name, {}),
                         **self._fault_counts(),
                         "selection": (

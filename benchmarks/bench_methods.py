@@ -1,8 +1,8 @@
 """Per-step time of each method relative to SeqF, measured in one process (JSON on stdout).
 
 Every method trains the same 2-task synthetic stream with the same tiny model; we time the
-second task (where reference / old models exist) from the training logs: median seconds per
-optimizer step over the task's steps after a short warm-up. Each run is repeated `--repeats`
+second task (where reference / old models exist): median seconds per optimizer step over the
+task's steps after a short warm-up. Each run is repeated `--repeats`
 times, interleaved with SeqF's, and the fastest median of each is kept (load from other
 processes only ever slows a run down), so the ratio to SeqF is robust to a busy machine.
 
@@ -12,7 +12,18 @@ per-task extra cost outside the steps — importance passes after a task (EWC, M
 AFEC's Fisher), buffer selection (mof / kmeans features + selection), AFEC's expanded epochs —
 in seconds and as a multiple of one SeqF epoch (steps per epoch × SeqF step time).
 
+Step times are the intervals between the ends of consecutive optimizer steps: on the CPU
+(`--device cpu`, the default; GPUs are hidden from the process) CPU seconds of this process
+(one torch thread, `--workers 0`: the step's own work, data included, barely inflated by other
+processes on a busy machine), on a GPU wall seconds with the device synchronised at each
+end. The CPU models are the tiny ones (`clip` = tiny-vit, `fusion` = tiny) on a 32 px
+stream. With `--device cuda` the hooks' timer synchronises the device too, and
+`--model-config` / `--precision` / `--workers` / `--batch-size` set the GPU setting (the
+stream is built at the model's image size).
+
     python benchmarks/bench_methods.py [--methods ctp,modx,...] [--steps 30] [--repeats 3]
+    python benchmarks/bench_methods.py --device cuda --methods lwf,modx,dkr,ctp --fusion 0 \
+        --model-config ViT-B-32 --batch-size 256 --precision bf16 --workers 12 --steps 30
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -69,7 +81,14 @@ EXTRAS = {
 
 
 def step_times(
-    stream: Path, out: Path, method: str, model: str, steps: int, batch: int, extra: dict
+    stream: Path,
+    out: Path,
+    method: str,
+    model: str,
+    steps: int,
+    batch: int,
+    extra: dict,
+    setting: dict | None = None,
 ) -> dict:
     """Median step time of task 2, and the per-task extras measured around the hooks."""
     from cvl.methods.buffers import Buffer
@@ -92,13 +111,14 @@ def step_times(
             "method": method,
             "model": model,
             "model_config": "tiny-vit" if model == "clip" else "tiny",
+            "workers": 0,  # as when the CPU tables below were measured
+            **(setting or {}),
             "epochs": 100,
             "batch_size": batch,
             "max_steps_per_task": steps,
             "log_with": "none",
             "checkpoint_every": 0,
             "log_every": 1,  # one line per step: the per-step times below
-            "workers": 0,  # as when the table below was measured
             **extra,
         },
     )
@@ -119,13 +139,22 @@ def step_times(
         patches.append((cls, "_expanded_epoch", "expanded_epoch"))
     saved = [(owner, attr, owner.__dict__.get(attr)) for owner, attr, _ in patches]
 
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    stamps: list[float] = []  # the end of each optimizer step of the timed (second) task
+
     def timer(fn, key):
         def wrapped(*a, **k):
+            sync()
             t0 = time.perf_counter()
             try:
                 return fn(*a, **k)
             finally:
+                sync()
                 timed[key].append(time.perf_counter() - t0)
+                if key == "after_step" and getattr(a[-1], "task_index", 0) == 1:
+                    # CUDA: wall seconds (synchronised); CPU: this process's CPU seconds
+                    stamps.append(time.perf_counter() if cuda else time.process_time())
 
         return wrapped
 
@@ -144,7 +173,8 @@ def step_times(
         json.loads(x)
         for x in (finished_tasks(out)[-1].path / "train_log.jsonl").read_text().splitlines()
     ]
-    per_step = [batch / r["samples_per_s"] for r in log[3:]]
+    wall = [batch / r["samples_per_s"] for r in log[3:]]
+    per_step = [b - a for a, b in zip(stamps[3:], stamps[4:])] or wall
     hooks = sum(
         statistics.median(timed[h]) if timed[h] else 0.0
         for h in ("before_step", "after_backward", "after_step")
@@ -217,7 +247,18 @@ def main() -> None:
     ap.add_argument(
         "--fusion", type=int, default=1, help="also time fusion for fusion-term methods"
     )
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--model-config", default="", help="clip model config (default: tiny-vit)")
+    ap.add_argument("--precision", choices=("no", "bf16", "fp16"), default="no")
+    ap.add_argument("--workers", type=int, default=0, help="loader workers (-1: auto)")
     args = ap.parse_args()
+    if args.device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the Trainer takes a GPU when it sees one
+    elif not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device")
+    setting = {"precision": args.precision, "workers": args.workers}
+    if args.model_config:
+        setting["model_config"] = args.model_config
     torch.set_num_threads(args.threads)
     from cvl.methods.registry import all_methods
     from cvl.streams.synthetic import SynthSpec, build_synthetic
@@ -225,14 +266,18 @@ def main() -> None:
     fusion_too = {"ctp", "lwf", "lucir", "mas"}  # fusion-only terms (MLM distillation, CLS)
     results = {}
     steps_per_epoch = 8
+    image_size = 32
+    if args.model_config:
+        from cvl.models import build_model
+
+        image_size = build_model("clip", args.model_config).image_size
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         stream = tmp / "stream"
-        build_synthetic(
-            stream,
-            SynthSpec(tasks=2, per_task=args.batch_size * steps_per_epoch, seed=0),
-            progress=False,
+        spec = SynthSpec(
+            tasks=2, per_task=args.batch_size * steps_per_epoch, image_size=image_size, seed=0
         )
+        build_synthetic(stream, spec, progress=False)
         runs = []
         for name in args.methods.split(","):
             if EXTRAS.get(name, {}).get("method", name) not in all_methods():
@@ -252,6 +297,7 @@ def main() -> None:
                     args.steps,
                     args.batch_size,
                     EXTRAS.get(name, {}),
+                    setting if model == "clip" else {**setting, "model_config": "tiny"},
                 )
                 prev = best.get((name, model))
                 best[(name, model)] = (
@@ -293,6 +339,10 @@ def main() -> None:
                 "steps_per_epoch": steps_per_epoch,
                 "extra_format": "[seconds, multiple of one seqft epoch]",
                 "batch_size": args.batch_size,
+                "device": args.device,
+                "model_config": args.model_config or "tiny-vit / tiny (fusion)",
+                "precision": args.precision,
+                "workers": args.workers,
                 "threads": args.threads,
                 "steps": args.steps,
                 "repeats": args.repeats,

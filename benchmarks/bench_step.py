@@ -11,11 +11,16 @@ load from other processes only ever slows a run down):
 - `e2e`: the real `cvl train` on a synthetic stream of the same image size, with its real
   loader (`--workers` as given; default: auto from the CPU count): pairs/s of the whole step.
 
-Step times come from timestamps at each optimizer step's end (after `warmup` steps): CPU
-seconds of this process for `bare` / `cvl` (one torch thread, no workers: robust to other
-processes on the machine), wall seconds for `e2e` and `bare_wall` (the pairs/s ratio).
+Step times come from timestamps at each optimizer step's end (after `warmup` steps). On the
+CPU (`--device cpu`, the default; GPUs are hidden from the process): CPU seconds of this
+process for `bare` / `cvl` (one torch thread, no workers: robust to other processes on the
+machine), wall seconds for `e2e` and `bare_wall` (the pairs/s ratio). With `--device cuda`:
+wall seconds everywhere, the device synchronised at each timestamp, pre-made tensors on the
+GPU; `--precision bf16` runs every variant under bf16 autocast (the bare step too).
 
     python benchmarks/bench_step.py [--model-config tiny-vit] [--batch 64] [--steps 60]
+    python benchmarks/bench_step.py --device cuda --model-config ViT-B-32 --batch 256 \
+        --precision bf16 --steps 30 --workers 12
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -32,7 +38,9 @@ from pathlib import Path
 import torch
 
 
-def bare_step_times(model, images, tokens, steps: int, lr: float = 5e-4) -> list[float]:
+def bare_step_times(
+    model, images, tokens, steps: int, lr: float = 5e-4, precision: str = "no"
+) -> list[float]:
     """open_clip's training step (ClipLoss, AdamW with open_clip's decay groups)."""
     from open_clip.loss import ClipLoss
 
@@ -48,9 +56,11 @@ def bare_step_times(model, images, tokens, steps: int, lr: float = 5e-4) -> list
     )
     loss_fn = ClipLoss()
     times = []
+    dev = images.device.type
     for _ in range(steps):
-        image_features, text_features, scale = clip(images, tokens)[:3]  # scale: exp'd
-        loss = loss_fn(image_features, text_features, scale)
+        with torch.autocast(dev, torch.bfloat16, enabled=precision == "bf16"):
+            image_features, text_features, scale = clip(images, tokens)[:3]  # scale: exp'd
+            loss = loss_fn(image_features, text_features, scale)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -60,7 +70,10 @@ def bare_step_times(model, images, tokens, steps: int, lr: float = 5e-4) -> list
 
 def clock() -> tuple[float, float]:
     """(wall, CPU time of this process): with one torch thread and no loader workers the CPU
-    time is the step's own work, barely inflated by other processes on a busy machine."""
+    time is the step's own work, barely inflated by other processes on a busy machine. On a
+    GPU the device is synchronised first (wall time is the measure there)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
     return time.perf_counter(), time.process_time()
 
 
@@ -122,32 +135,48 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--workers", type=int, default=-1, help="e2e loader workers (-1: auto)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
+    ap.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: CPU seconds, GPUs hidden; cuda: wall seconds with synchronisation",
+    )
+    ap.add_argument("--precision", choices=("no", "bf16"), default="no")
     args = ap.parse_args()
+    if args.device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the Trainer takes a GPU when it sees one
+    elif not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device")
+    cuda = args.device == "cuda"
     torch.set_num_threads(args.threads)
     from cvl.data.reader import default_workers
     from cvl.models import build_model
     from cvl.streams.synthetic import SynthSpec, build_synthetic
 
     torch.manual_seed(0)
-    model = build_model("clip", args.model_config)
+    dev = torch.device(args.device)
+    model = build_model("clip", args.model_config).to(dev)
     b, s = args.batch, model.image_size
-    images = torch.randn(b, 3, s, s)
+    images = torch.randn(b, 3, s, s).to(dev)
     tokens = model.tokenizer([f"a photo of shape {i % 7} in colour {i % 5}" for i in range(b)])
-    premade = {"image": images, "text": tokens, "n_replaced": 0}
+    tokens = tokens.to(dev)
+    # what the loader hands cvl's loop: uint8 HWC pixels on the host (normalised on the device)
+    loaded = torch.randint(0, 256, (b, s, s, 3), dtype=torch.uint8)
+    premade = {"image": loaded, "text": tokens, "n_replaced": 0}
     res: dict[str, list[float]] = {k: [] for k in ("bare", "cvl", "cvl_log1", "e2e", "bare_wall")}
-    common = {"model_config": args.model_config, "batch_size": b}
+    common = {"model_config": args.model_config, "batch_size": b, "precision": args.precision}
     with tempfile.TemporaryDirectory() as tmp:
         stream = Path(tmp) / "stream"
         spec = SynthSpec(tasks=1, per_task=4 * b, image_size=s, test_per_task=8, seed=0)
         build_synthetic(stream, spec, progress=False)
         for r in range(args.repeats):
-            t = bare = bare_step_times(model, images, tokens, args.steps)
-            res["bare"].append(per_step(t, args.warmup, cpu=True))
+            t = bare = bare_step_times(model, images, tokens, args.steps, precision=args.precision)
+            res["bare"].append(per_step(t, args.warmup, cpu=not cuda))
             t = cvl_step_times(stream, Path(tmp) / f"c{r}", common, args.steps, premade)
-            res["cvl"].append(per_step(t, args.warmup, cpu=True))
+            res["cvl"].append(per_step(t, args.warmup, cpu=not cuda))
             c1 = {**common, "log_every": 1}
             t = cvl_step_times(stream, Path(tmp) / f"l{r}", c1, args.steps, premade)
-            res["cvl_log1"].append(per_step(t, args.warmup, cpu=True))
+            res["cvl_log1"].append(per_step(t, args.warmup, cpu=not cuda))
             ce = {**common, "workers": args.workers}
             t = cvl_step_times(stream, Path(tmp) / f"e{r}", ce, args.steps, None)
             res["e2e"].append(per_step(t, args.warmup, cpu=False))
@@ -157,6 +186,9 @@ def main() -> None:
         json.dumps(
             {
                 "model_config": args.model_config,
+                "device": args.device,
+                "precision": args.precision,
+                "clock": "wall, synchronised" if cuda else "CPU seconds (bare, cvl); wall (e2e)",
                 "batch": b,
                 "image_size": s,
                 "steps": args.steps,

@@ -63,6 +63,21 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """`t` on `device`; a CPU tensor bound for a GPU goes through pinned memory, non-blocking.
+
+    A plain `.to("cuda")` of ordinary (pageable) host memory makes the host wait until the
+    GPU has finished its queue: a host sync inside a training step. Tensors built on the CPU
+    during a step (replay masks, stored targets, draws from a CPU generator) use this instead.
+    """
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def distributed_launch() -> bool:
     """True inside `accelerate launch` / `torchrun` with more than one process."""
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -239,3 +254,22 @@ def deterministic_option(f: Callable) -> Callable:
 def device_option(f: Callable) -> Callable:
     """`--device` for a model-running command (see DEVICE_HELP)."""
     return click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)(f)
+
+
+@contextlib.contextmanager
+def determinism(flag: bool | None, device: torch.device | str) -> Iterator[bool]:
+    """`apply_determinism` for the length of a command, yielding the mode in force; torch's
+    previous mode is put back afterwards, so a caller in the same process (a test, a notebook
+    calling `cvl.cli.main`) does not inherit it."""
+    import torch
+
+    prev = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+    )
+    try:
+        yield apply_determinism(flag, device)
+    finally:
+        torch.use_deterministic_algorithms(prev[0])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = prev[1], prev[2]

@@ -3,13 +3,32 @@
 Every helper is the identity in a single process, so methods call them unconditionally.
 Ranks hold contiguous slices of each global batch (see `cvl.data.reader.rank_slice`), so
 gathering in rank order restores the global batch order.
+
+Gathers are memoised per live tensor: gathering the same data again while it is alive (the
+same tensor, a `.detach()` of it or an identical view, not modified in place since) returns
+the first gather's result instead of another collective, so loss terms that each build their
+own global matrices from the same features (the base InfoNCE and a distillation term, say)
+cost one all_gather per tensor and step. A gather with gradient serves later gathers of the
+same data with or without gradient; one without gradient serves only later ones without.
+Every rank runs the same code on the same shapes, so every rank makes the same decisions and
+the collectives stay in step.
+
+Gradients are averaged by `GradReducer`: in buckets, each all-reduced asynchronously as soon
+as its gradients are ready during the backward (DDP's scheme), without wrapping the model.
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
+
+#: Gradient bucket size (DDP's default): large enough for the all-reduce's bandwidth, small
+#: enough that the first buckets go out early in the backward.
+BUCKET_MB = 25.0
 
 
 def world_size() -> int:
@@ -20,24 +39,81 @@ def rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+# -- gathers ------------------------------------------------------------------------------------
+
+# signature of the gathered data -> (weak reference to the tensor, result, result has a graph)
+_gathered: dict[tuple, tuple[weakref.ref, torch.Tensor, bool]] = {}
+
+
+def _signature(x: torch.Tensor) -> tuple | None:
+    """What identifies `x`'s data while it lives: storage, view geometry and version."""
+    if x.is_inference():
+        return None
+    return (
+        x.untyped_storage().data_ptr(),
+        x.storage_offset(),
+        tuple(x.shape),
+        x.stride(),
+        x.dtype,
+        x.device,
+        x._version,
+    )
+
+
+def _remember(x: torch.Tensor, sig: tuple | None, result: torch.Tensor, graph: bool) -> None:
+    if sig is None:
+        return
+
+    def forget(ref: weakref.ref, key: tuple = sig) -> None:
+        entry = _gathered.get(key)
+        if entry is not None and entry[0] is ref:
+            del _gathered[key]
+
+    _gathered[sig] = (weakref.ref(x, forget), result, graph)
+
+
+def _recall(sig: tuple | None) -> tuple[torch.Tensor, bool] | None:
+    entry = _gathered.get(sig) if sig is not None else None
+    if entry is None or entry[0]() is None:
+        return None
+    return entry[1], entry[2]
+
+
 def gather_with_grad(x: torch.Tensor) -> torch.Tensor:
     """All ranks' rows concatenated in rank order; gradients flow back to every rank's rows.
 
     Assumes equal row counts on all ranks (global batches are cut into equal slices).
+    Memoised per live tensor (module docstring).
     """
     if world_size() == 1:
         return x
-    return torch.cat(dist_fn.all_gather(x.contiguous()), dim=0)
+    sig = _signature(x)
+    want_graph = torch.is_grad_enabled() and x.requires_grad
+    hit = _recall(sig)
+    if hit is not None and (hit[1] or not want_graph):
+        return hit[0]
+    out = torch.cat(dist_fn.all_gather(x.contiguous()), dim=0)
+    _remember(x, sig, out, out.requires_grad)
+    return out
 
 
-@torch.no_grad()
 def gather_no_grad(x: torch.Tensor) -> torch.Tensor:
-    """All ranks' rows concatenated in rank order, without gradient (queues, old models)."""
+    """All ranks' rows concatenated in rank order, without gradient (queues, old models).
+
+    Memoised per live tensor (module docstring).
+    """
     if world_size() == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(world_size())]
-    dist.all_gather(parts, x.contiguous())
-    return torch.cat(parts, dim=0)
+    sig = _signature(x)
+    hit = _recall(sig)
+    if hit is not None:
+        return hit[0].detach()
+    with torch.no_grad():
+        parts = [torch.empty_like(x) for _ in range(world_size())]
+        dist.all_gather(parts, x.contiguous())
+        out = torch.cat(parts, dim=0)
+    _remember(x, sig, out, False)
+    return out
 
 
 def local_rows(n_local: int) -> slice:
@@ -55,12 +131,17 @@ def all_reduce_mean(x: torch.Tensor) -> torch.Tensor:
     return y / world_size()
 
 
+# -- gradients ------------------------------------------------------------------------------
+
+
 @torch.no_grad()
 def average_gradients(params: list[torch.nn.Parameter]) -> None:
-    """Average gradients across ranks with one coalesced all_reduce (DDP's arithmetic).
+    """Average gradients across ranks with one coalesced all_reduce, after the backward.
 
-    The model is not wrapped in DDP, so methods use the plain module and extra passes through
-    sub-encoders need no DDP bookkeeping; parameters without a gradient count as zero.
+    The synchronous reference (and what per-task passes outside the training step use:
+    importance passes, AFEC's expanded model); the training loop uses `GradReducer`, which
+    computes the same averages while the backward runs. Parameters without a gradient count
+    as zero.
     """
     w = world_size()
     if w == 1:
@@ -77,6 +158,202 @@ def average_gradients(params: list[torch.nn.Parameter]) -> None:
         else:
             p.grad.copy_(flat[off : off + n].view_as(p))
         off += n
+
+
+class _Bucket:
+    """Parameters whose gradients travel in one all_reduce, and its flat buffer."""
+
+    def __init__(self, params: list[torch.nn.Parameter], indices: list[int]) -> None:
+        self.params, self.indices = params, indices
+        self.flat = torch.empty(
+            sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device
+        )
+        self.views, off = [], 0
+        for p in params:
+            self.views.append(self.flat[off : off + p.numel()].view_as(p))
+            off += p.numel()
+        self.reset()
+
+    def reset(self) -> None:
+        self.pending = len(self.params)
+        self.seen = [False] * len(self.params)
+        self.work = None
+        self.sent = self.dirty = False
+
+    def send(self) -> None:
+        """Copy the gradients in (missing ones as zeros) and start the all_reduce."""
+        if self.work is not None:  # a resend (`dirty`): the earlier reduction must finish first
+            self.work.wait()
+        have = [(v, p.grad) for v, p in zip(self.views, self.params) if p.grad is not None]
+        if len(have) < len(self.params):
+            self.flat.zero_()
+        if have:
+            torch._foreach_copy_([v for v, _ in have], [g for _, g in have])
+        self.work = dist.all_reduce(self.flat, async_op=True)
+        self.sent = True
+
+    def finish(self, w: int) -> None:
+        """Wait for the all_reduce and write the averages into the parameters' gradients."""
+        self.work.wait()
+        self.work = None
+        self.flat.div_(w)
+        dst, src = [], []
+        for v, p in zip(self.views, self.params):
+            if p.grad is None:
+                p.grad = v.clone()
+            else:
+                dst.append(p.grad)
+                src.append(v)
+        if dst:
+            torch._foreach_copy_(dst, src)
+
+
+class GradReducer:
+    """Averages the optimizer's gradients across ranks, overlapped with the last backward.
+
+    The parameters are grouped into buckets of about `bucket_mb` MB (per dtype and device), in
+    reverse registration order at first (roughly the order the backward produces gradients)
+    and, after the first overlapped step, in the order the gradients actually became ready
+    (rank 0's order, broadcast: DDP's bucket rebuild). A post-accumulate-grad hook on every
+    parameter counts its bucket's ready gradients; in the last backward of an optimizer step
+    (`prepare(..., last=True)`), a complete bucket is copied into its flat buffer and
+    all-reduced asynchronously while the backward goes on. Buckets are sent strictly in
+    order, so every rank issues the same collectives in the same order. `finish()` sends the
+    buckets that are not complete (parameters without a gradient count as zero: unused in this
+    step on this rank, as `average_gradients`), waits (on a GPU: the compute stream waits, the
+    host does not), and writes the average into each `p.grad`. The collectives are the same
+    on every rank: each bucket once, in order, then again (in order) each bucket that holds a
+    parameter whose gradient was accumulated twice in the backward (reached twice, e.g. by a
+    re-entrant checkpoint); which parameters those are depends on the graph, which is the
+    same on every rank (as DDP assumes), not on timing.
+
+    Earlier micro-batches of gradient accumulation only accumulate (the hooks are idle); a
+    step that is skipped (no backward of the last micro-batch) sends nothing. Other backward
+    passes on the model outside the step (importance passes) find the hooks idle too. The
+    result equals `average_gradients` up to the order of the float sums over ranks (with
+    2 ranks: identical).
+    """
+
+    def __init__(self, bucket_mb: float = BUCKET_MB) -> None:
+        self.cap = max(1, int(bucket_mb * 2**20))
+        self._key: tuple[int, ...] = ()
+        self._params: list[torch.nn.Parameter] = []
+        self._hooks: list = []
+        self._buckets: list[_Bucket] = []
+        self._where: list[tuple[int, int]] = []  # param index -> (bucket, slot)
+        self._armed = False
+        self._overlapped = False  # this step's last backward was armed (same on every rank)
+        self._next = 0  # the next bucket to send
+        self._ready_order: list[int] = []
+        self._rebuilt = False
+        #: buckets sent during the last backward (before `finish`): the overlap, for tests and
+        #: benchmarks
+        self.sent_in_backward = 0
+
+    @property
+    def buckets(self) -> list[list[int]]:
+        """The parameter indices of each bucket, in sending order."""
+        return [list(b.indices) for b in self._buckets]
+
+    def _build(self, params: Sequence[torch.nn.Parameter], order: list[int] | None) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._params = list(params)
+        self._key = tuple(id(p) for p in params)
+        order = list(range(len(params)))[::-1] if order is None else order
+        groups: list[list[int]] = []
+        open_: dict[tuple, list[int]] = {}  # (dtype, device) -> the bucket being filled
+        size: dict[tuple, int] = {}
+        for i in order:
+            p = params[i]
+            k = (p.dtype, p.device)
+            nbytes = p.numel() * p.element_size()
+            if k not in open_ or (size[k] + nbytes > self.cap and open_[k]):
+                open_[k], size[k] = [], 0
+                groups.append(open_[k])
+            open_[k].append(i)
+            size[k] += nbytes
+        self._buckets = [_Bucket([params[i] for i in g], g) for g in groups]
+        self._where = [(0, 0)] * len(params)
+        for b, bucket in enumerate(self._buckets):
+            for s, i in enumerate(bucket.indices):
+                self._where[i] = (b, s)
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(lambda _p, i=i: self._ready(i))
+            for i, p in enumerate(params)
+        ]
+        self._armed, self._next = False, 0
+
+    def prepare(self, params: Sequence[torch.nn.Parameter], last: bool) -> None:
+        """Before a backward: `params` are the optimizer's parameters; `last` = this backward
+        ends an optimizer step that will be taken (send buckets as gradients become ready)."""
+        if world_size() == 1:
+            return
+        if tuple(id(p) for p in params) != self._key:
+            self._build(params, None)
+            self._rebuilt = False
+        self._drain()
+        self._armed = self._overlapped = last
+        self._next = 0
+        self._ready_order = []
+        self.sent_in_backward = 0
+        for b in self._buckets:
+            b.reset()
+
+    def _drain(self) -> None:
+        for b in self._buckets:
+            if b.work is not None:
+                b.work.wait()
+                b.work = None
+
+    def _ready(self, i: int) -> None:
+        if not self._armed:
+            return
+        b, s = self._where[i]
+        bucket = self._buckets[b]
+        if bucket.seen[s]:  # reached again in this backward: `finish` sends the bucket again
+            bucket.dirty = True
+            return
+        bucket.seen[s] = True
+        bucket.pending -= 1
+        self._ready_order.append(i)
+        while self._next < len(self._buckets) and self._buckets[self._next].pending == 0:
+            self._buckets[self._next].send()
+            self._next += 1
+            self.sent_in_backward += 1
+
+    @torch.no_grad()
+    def finish(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """After the last backward of a step: every parameter's gradient is the rank mean."""
+        w = world_size()
+        if w == 1:
+            return
+        if tuple(id(p) for p in params) != self._key:  # not prepared for these parameters
+            self.prepare(params, last=False)
+        self._armed = False
+        rebuild = self._overlapped and not self._rebuilt
+        for bucket in self._buckets:  # every bucket once, in order (the early ones are sent)
+            if not bucket.sent:
+                bucket.send()
+        for bucket in self._buckets:  # then, in order, those with a gradient accumulated twice
+            if bucket.dirty:
+                bucket.send()
+        for bucket in self._buckets:
+            bucket.finish(w)
+            bucket.reset()
+        self._overlapped = False
+        if rebuild:  # a collective: decided by the control flow, not by this rank's hooks
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        """Buckets in the order gradients became ready (rank 0's), as DDP rebuilds them."""
+        seen = set(self._ready_order)
+        order = self._ready_order + [i for b in self._buckets for i in b.indices if i not in seen]
+        dev = self._params[0].device if dist.get_backend() == "nccl" else torch.device("cpu")
+        t = torch.tensor(order, dtype=torch.long, device=dev)
+        dist.broadcast(t, 0)
+        self._build(self._params, t.tolist())
+        self._rebuilt = True
 
 
 @torch.no_grad()

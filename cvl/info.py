@@ -56,6 +56,13 @@ def describe_run(path: Path) -> list[str]:
     ]
     if cfg.get("buffer"):
         lines.append(f"buffer {cfg['buffer']} size {cfg.get('buffer_size')}")
+    tu = run.get("tuning")
+    if tu:  # runs from before --tune have none (every parameter trained)
+        args = ", ".join(f"{k} {v}" for k, v in (tu.get("args") or {}).items())
+        lines.append(
+            f"tune {tu['mode']}{f' ({args})' if args else ''}: {tu['trainable_params']:,} of "
+            f"{tu['total_params']:,} parameters train ({100 * tu['trainable_share']:.2f} %)"
+        )
     from cvl.runs import finished_tasks
 
     tasks_dir = path / "tasks"

@@ -153,16 +153,19 @@ def global_count(mask: torch.Tensor) -> torch.Tensor:
     return all_reduce_mean(mask.float().sum()) * world_size()
 
 
-def global_masked_mean(per_row: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def global_masked_mean(
+    per_row: torch.Tensor, mask: torch.Tensor, n: torch.Tensor | None = None
+) -> torch.Tensor:
     """Mean of `per_row` over the rows of the global batch where `mask` holds.
 
     Each rank returns (its masked sum)·world/(global count), so the rank-averaged value and
     gradient are the one-process mean even when ranks hold different numbers of masked rows;
-    0 (with a graph) when no row of the global batch is masked in.
+    0 (with a graph) when no row of the global batch is masked in. `n`: the global count
+    (`global_count(mask)`) when the caller has it already (saves an all_reduce).
     """
     from cvl.dist import world_size
 
-    n = global_count(mask)
+    n = global_count(mask) if n is None else n
     return (per_row * mask.float()).sum() * world_size() / n.clamp(min=1.0)
 
 
@@ -195,10 +198,12 @@ def masked_clip_loss(
 
 def off_diagonal_logits(x: torch.Tensor, all_x: torch.Tensor, temp: float) -> torch.Tensor:
     """x·all_xᵀ/temp for this rank's rows against the global batch, each row's own column
-    removed: shape (n_local, N − 1). Self-similarity rows for relation distillation."""
+    removed: shape (n_local, N − 1). Self-similarity rows for relation distillation.
+
+    The kept columns are gathered by index (a boolean mask would need a host sync on a GPU
+    to size its result)."""
     sim = x @ all_x.t() / temp
     rows = local_rows(x.shape[0])
-    own = torch.arange(rows.start, rows.stop, device=x.device)
-    keep = torch.ones_like(sim, dtype=torch.bool)
-    keep[torch.arange(x.shape[0], device=x.device), own] = False
-    return sim[keep].view(x.shape[0], -1)
+    own = torch.arange(rows.start, rows.stop, device=x.device)[:, None]
+    cols = torch.arange(sim.shape[1] - 1, device=x.device)[None, :]
+    return sim.gather(1, cols + (cols >= own).long())

@@ -10,7 +10,8 @@
 #   5. Mod-X's rotation analysis (SAM / RAM / ImAV) of seqft vs Mod-X.
 #
 # Usage: recipes/demo.sh [OUT_DIR]   (METHODS="seqft modx" to choose the methods: any
-#        `cvl methods` name, er, dha-dagger; SEED=N; sizes PER_TASK=250 pairs per task,
+#        `cvl methods` name, er, dha-dagger, NAME+MODE for `--tune MODE` (seqft+lora);
+#        SEED=N; sizes PER_TASK=250 pairs per task,
 #        PRETRAIN=1500 pretraining pairs, TEST=100 test pairs per task;
 #        BUDGET=SPEC trains every method to that `cvl train --budget` into runs/METHOD-budget
 #        (README: Comparing at equal compute);
@@ -54,6 +55,7 @@ step "2. CLIP_0: train on the pretraining stream ($STREAM/pretrain)"
 
 args_of() {  # the method's CLI arguments (paper defaults; replay 5 % of the stream, IncCLIP 10 %)
   case "$1" in
+    *+*) echo "$(args_of "${1%%+*}") --tune ${1#*+}" ;;  # NAME+MODE: with --tune MODE (lora, ...)
     er) echo "--method seqft --buffer reservoir --buffer-size $BUF" ;;
     dha) echo "--method dha --buffer ring --buffer-size $BUF" ;;
     dha-dagger) echo "--method dha" ;;  # DHA without its buffer (DHA† in the paper)

@@ -49,7 +49,7 @@ def _step(method: str, args: dict, rows: slice):
     params = [p for p in model.parameters() if p.requires_grad]
     average_gradients(params)
     vals = {k: float(all_reduce_mean(v.detach())) for k, v in terms.items()}
-    vals.update({k: float(all_reduce_mean(torch.tensor(v))) for k, v in ctx.metrics.items()})
+    vals.update({k: float(all_reduce_mean(torch.as_tensor(v))) for k, v in ctx.metrics.items()})
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return vals, grads
 

@@ -126,6 +126,14 @@ def test_two_processes_equal_one_with_double_batch(synth_stream, tmp_path):
     assert_same_step_cost(tmp_path / "one", tmp_path / "two")
 
 
+@pytest.mark.slow
+def test_two_processes_equal_one_with_lora_adapters(synth_stream, tmp_path):
+    """--tune lora: the adapters (drawn from the seed on every rank) get rank-averaged
+    gradients, and a merge (TIES, every task from θ_0) deploys the same weights."""
+    l1, l2, w1, w2 = run_pair(synth_stream, tmp_path, ["--method", "ties", "--tune", "lora"])
+    assert_equivalent(l1, l2, w1, w2, keys=("loss", "itc"))
+
+
 # Relative per-step loss tolerance where a temperature demands it (default: 1e-5 absolute).
 # IncCLIP: τ_old = 0.01 puts the old logits at ~100, where float32 log-softmax is exact to
 # ~2e-5 per entry (×λ = 5 in `kd`); measured 2.7e-5 on kd ≈ 19 (1.4e-6 relative).
@@ -139,7 +147,11 @@ TOL: dict[str, float] = {"incclip": 5e-5, "lwf": 5e-5, "icarl": 5e-5}
 # iCaRL likewise (LwF's 0.07-temperature softmax of unnormalised features on buffer + new
 # items): final weights beyond 5e-5 at ε = 1e-6 although every logged loss agrees.
 EPS_1E3 = {"incclip", "icarl"}
-WEIGHT_ATOL = 5e-5  # measured ≤ 3.7e-5 (modx), ≤ 1.5e-5 otherwise; see assert_weights_close
+# Measured (torch 2.14.1, open_clip 3.x, 2026-11-24): ≤ 4.4e-5 for every element but one per
+# run in der (6.1e-5, 1 of 4,096 in an out_proj) and lwf (5.4e-5, 1 of 16,384 in a c_fc):
+# Adam's element-wise normalisation of rounding noise (see assert_weights_close). A real
+# distribution fault (a rank's gradient or rows missing) moves weights by ~lr = 5e-4 per step.
+WEIGHT_ATOL = 1e-4
 
 
 def _argv(stream: Path, out: Path, method: str, batch: int) -> list[str]:

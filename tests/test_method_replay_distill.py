@@ -276,25 +276,120 @@ def test_wise_interpolates_and_passes_arguments_to_the_base():
         WiSE({"alpha": 1.5})
 
 
-def test_zscl_weight_ensemble_is_a_running_mean():
+def test_zscl_weight_ensemble_follows_the_code_schedule():
+    """we_every = 2 over 4 steps: averaged after steps 1 and 3 (the code's iterations 0, 2)
+    and after the last one, starting from the task's start: mean(θ₀, θ₁, θ₃, θ₄)."""
     lin = torch.nn.Linear(1, 1, bias=False)
     with torch.no_grad():
         lin.weight.fill_(0.0)
-    m = ZSCL({"ref_stream": "unused", "we_every": 1, "teacher": "previous"})
-    ctx = SimpleNamespace(model=lin, previous_model=lambda: None, step=0, steps_in_task=3)
+    m = ZSCL({"ref_stream": "unused", "we_every": 2, "teacher": "previous", "l2": 0})
+    ctx = SimpleNamespace(model=lin, previous_model=lambda: None, step=0, steps_in_task=4)
     m.before_task(ctx)  # θ̂ = θ₀ = 0
-    for step, val in ((1, 3.0), (2, 6.0)):
+    for step, val in ((1, 3.0), (2, 100.0), (3, 6.0), (4, 9.0)):
         with torch.no_grad():
             lin.weight.fill_(val)
         ctx.step = step
-        m.after_step(ctx)
-    with torch.no_grad():
-        lin.weight.fill_(9.0)
-    ctx.step = 3
-    m.after_step(ctx)  # the last step is averaged in by after_task, once
+        m.after_step(ctx)  # step 2 is not averaged; the last step only by after_task, once
     m.after_task(ctx)
     assert float(lin.weight.detach()) == pytest.approx((0 + 3 + 6 + 9) / 4)
     assert m.own_state()["we_n"] == 4
+
+
+# ZSCL's distillation on 3 reference pairs (2-d unit features), teacher scale 2, student 3:
+ZV = [[1.0, 0.0], [0.6, 0.8], [0.0, 1.0]]  # the student's image features
+ZW = [[0.8, 0.6], [0.0, 1.0], [1.0, 0.0]]  # the student's text features
+ZVT = [[0.8, 0.6], [0.0, 1.0], [0.6, 0.8]]  # the teacher's image features
+ZWT = [[1.0, 0.0], [0.6, 0.8], [0.8, 0.6]]  # the teacher's text features
+# T²·[mean_i KL(softmax(2·v'_i·w'ᵀ/T) ‖ softmax(2·v_i·w'ᵀ/T)) + the same with texts as rows],
+# T = 2 (the code: student images against the teacher's texts, the teacher's scale):
+ZSCL_CODE = 0.2994697471
+ZSCL_T1 = 0.2561942239  # T = 1
+ZSCL_NO_T2 = 0.0748674368  # without the T² factor
+ZSCL_MEAN = 0.1497348735  # the two directions averaged (cvl's earlier reading)
+ZSCL_IMAGE = 0.0672505484  # the image → text term only
+ZSCL_STUDENT = 0.7307880552  # the student's own texts in its logits (the paper's pairing)
+ZSCL_OWN = 0.5280645912  # the student's logits with its own scale (3)
+
+
+class _Encoders:
+    """A stand-in model / teacher returning fixed features."""
+
+    has_fusion = False
+
+    def __init__(self, image, text, scale):
+        self.image, self.text, self.scale = T(image), T(text), scale
+
+    def encode_image(self, _):
+        return self.image
+
+    def encode_text(self, _):
+        return self.text
+
+    def logit_scale(self):
+        return torch.tensor(self.scale)
+
+
+def test_zscl_distillation_by_hand():
+    """The loss term through ZSCL.loss, so T, the T² factor, the pairing, the scale and sum vs
+    mean are each checked: every variant moves the value."""
+
+    def _rows(old, new, t):
+        def sm(r):
+            e = [math.exp(x / t) for x in r]
+            return [x / sum(e) for x in e]
+
+        return sum(
+            sum(a * math.log(a / b) for a, b in zip(sm(o), sm(n))) for o, n in zip(old, new)
+        ) / len(old)
+
+    def mm(a, b, s):
+        return [[s * sum(x * y for x, y in zip(r, c)) for c in b] for r in a]
+
+    direct = _rows(mm(ZVT, ZWT, 2), mm(ZV, ZWT, 2), 2) + _rows(mm(ZWT, ZVT, 2), mm(ZWT, ZV, 2), 2)
+    assert 4 * direct == pytest.approx(ZSCL_CODE)  # the literal, from the definition
+
+    def term(**args):
+        m = ZSCL({"ref_stream": "unused", **args})
+        m.teacher = _Encoders(ZVT, ZWT, 2.0)
+        m.ref_batch = lambda ctx: {"image": None, "text": None}
+        ctx = SimpleNamespace(model=_Encoders(ZV, ZW, 3.0))
+        out = {"image_features": T(ZV), "text_features": T(ZW), "logit_scale": torch.tensor(3.0)}
+        terms = m.loss({}, out, ctx)
+        assert set(terms) == {"itc", "zscl_ref"}
+        return float(terms["zscl_ref"])
+
+    assert term() == pytest.approx(ZSCL_CODE, rel=2e-5)
+    assert term(temp=1.0) == pytest.approx(ZSCL_T1, rel=2e-5)
+    assert term(temp_squared=False) == pytest.approx(ZSCL_NO_T2, rel=2e-5)
+    assert term(directions="mean") == pytest.approx(ZSCL_MEAN, rel=2e-5)
+    assert term(directions="image") == pytest.approx(ZSCL_IMAGE, rel=2e-5)
+    assert term(pairing="student") == pytest.approx(ZSCL_STUDENT, rel=2e-5)
+    assert term(scale="own") == pytest.approx(ZSCL_OWN, rel=2e-5)
+    assert term(weight=2.0) == pytest.approx(2 * ZSCL_CODE, rel=2e-5)
+    with pytest.raises(CvlError, match="pairing"):
+        ZSCL({"pairing": "nope"})
+
+
+def test_zscl_l2_to_the_task_start_by_hand():
+    """l2·Σ(θ − θ*)² (value logged) and 2·l2·(θ − θ*) added to the gradient, θ* = the
+    weights at the task's start, over the trainable parameters only."""
+    lin = torch.nn.Linear(2, 1)
+    with torch.no_grad():
+        lin.weight.copy_(T([[1.0, 2.0]]))
+        lin.bias.fill_(0.5)
+    lin.bias.requires_grad_(False)  # frozen (as under --tune): not pulled
+    m = ZSCL({"ref_stream": "unused", "l2": 0.5, "we_every": 0, "teacher": "previous"})
+    ctx = SimpleNamespace(model=lin, previous_model=lambda: None)
+    m.before_task(ctx)
+    with torch.no_grad():
+        lin.weight.copy_(T([[2.0, 0.0]]))  # θ − θ* = (1, −2)
+        lin.bias.fill_(9.0)
+    m.before_step(ctx)
+    assert float(m._l2_value) == pytest.approx(0.5 * (1 + 4))
+    lin.weight.grad = T([[0.25, 0.25]])
+    m.after_backward(ctx)
+    assert lin.weight.grad.tolist() == [[0.25 + 1.0, 0.25 - 2.0]]
+    assert lin.bias.grad is None
 
 
 def test_registered_and_clear_errors(synth_stream, tmp_path):

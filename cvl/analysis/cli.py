@@ -7,7 +7,9 @@ from pathlib import Path
 
 import click
 
+from cvl.device import deterministic_option, device_option
 from cvl.errors import CvlError
+from cvl.evaluation.options import precision_option, workers_option
 
 
 @click.group("analyze")
@@ -106,6 +108,10 @@ def _lock(run: str | Path, dest: Path):  # noqa: ANN202 (FolderLock)
 )
 @click.option("--no-plots", is_flag=True, help="Skip the PNG charts.")
 @click.option("--quiet", is_flag=True, help="No progress bars; print only the output paths.")
+@device_option
+@workers_option
+@precision_option
+@deterministic_option
 def rotation_cmd(
     run_dir: str | None,
     compare: tuple[str, str] | None,
@@ -120,6 +126,10 @@ def rotation_cmd(
     out: str | None,
     no_plots: bool,
     quiet: bool,
+    device: str,
+    workers: int,
+    precision: str,
+    deterministic: bool | None,
 ) -> None:
     """Mod-X spatial-disorder analysis: SAM, RAM and ImAV angle-change distributions.
 
@@ -138,10 +148,15 @@ def rotation_cmd(
       cvl analyze rotation --compare runs/seqft runs/modx
     """
     from cvl.analysis import rotation as rot
+    from cvl.device import determinism, resolve_device
+    from cvl.evaluation.imagestore import ImageStore
+    from cvl.evaluation.options import DEFAULT_IMAGE_CACHE_MB
 
     if (run_dir is None) == (compare is None):
         raise CvlError("give exactly one of --run RUN or --compare R1 R2")
     _check_compare(compare)
+    dev = resolve_device(device)
+    click.get_current_context().with_resource(determinism(deterministic, dev))  # until return
     kw = dict(
         stream=stream,
         split=split,
@@ -152,6 +167,10 @@ def rotation_cmd(
         batch_size=batch_size,
         chunk_elems=max(1, chunk_mb * (1 << 20) // 8),
         progress=not quiet and sys.stderr.isatty(),  # bars only on a terminal, as cvl eval
+        device=dev,
+        workers=workers,
+        precision=precision,
+        store=ImageStore(DEFAULT_IMAGE_CACHE_MB),  # the eval set decoded once, for both runs
     )
     if run_dir is not None:
         dest = Path(out) if out else Path(run_dir) / "analysis"

@@ -743,9 +743,21 @@ def extract_features(
     max_samples: int | None = None,
     batch_size: int = 256,
     progress: bool = False,
+    *,
+    device: str | torch.device = "auto",
+    workers: int = -1,
+    precision: str = "no",
+    store: Any = None,
 ) -> EvalFeatures:
-    """Embed the eval set (default: the run's first task's test set) with every checkpoint."""
+    """Embed the eval set (default: the run's first task's test set) with every checkpoint.
+
+    On `device` (`cvl.device.resolve_device`: auto = CUDA when available), decoded by `workers`
+    loader processes (-1 = auto) once: later checkpoints reuse the decoded images from `store`
+    (an `ImageStore`; a new one unless given). `precision` as `cvl eval`'s."""
+    from cvl.device import resolve_device
     from cvl.evaluation.embed import embed_dataset, eval_dataset
+    from cvl.evaluation.imagestore import ImageStore
+    from cvl.evaluation.options import DEFAULT_IMAGE_CACHE_MB, resolve_workers
     from cvl.models import load_weights, model_from_config
     from cvl.runs import load_run
 
@@ -764,6 +776,9 @@ def extract_features(
             )
     if max_samples is not None and max_samples < 2:
         raise CvlError(f"--max-samples must be at least 2, got {max_samples}")
+    dev = device if isinstance(device, torch.device) else resolve_device(device)
+    n_workers = resolve_workers(workers)
+    store = store if store is not None else ImageStore(DEFAULT_IMAGE_CACHE_MB)
     vision, text = [], []
     captions: list[str] = []
     ids: list[str] = []
@@ -771,9 +786,9 @@ def extract_features(
     for ck in tqdm(cks, desc="checkpoints", disable=not progress, leave=False):
         model = model_from_config(run_json["model"])
         load_weights(model, ck.path)
-        model.eval()
+        model.eval().to(dev)
         if ds is None:
-            ds = eval_dataset(model, shards)
+            ds = eval_dataset(model, shards, check=False)  # unreadable samples: left out below
             if max_samples is not None and len(ds) > max_samples:
                 ds = ds.with_entries(ds.entries[:max_samples])
         emb = embed_dataset(
@@ -783,6 +798,10 @@ def extract_features(
             progress=progress,
             all_captions=False,
             desc=f"embed {ck.label}",
+            device=dev,
+            num_workers=n_workers,
+            precision=precision,
+            store=store,
         )
         if emb.text_features.shape[0] != emb.image_features.shape[0]:
             raise CvlError("expected one caption per sample from embed_dataset(all_captions=False)")
@@ -792,16 +811,21 @@ def extract_features(
             captions, ids = list(emb.captions), list(emb.ids)
         del model
     assert ds is not None
-    if len(ds) < 2:
+    if len(ids) < 2:
         raise CvlError(
-            f"eval set '{split}' of task '{eval_task}' has {len(ds)} sample(s); need at least 2"
+            f"eval set '{split}' of task '{eval_task}' has {len(ids)} readable sample(s); "
+            "need at least 2"
         )
     info = {
         "stream": m.name,
         "stream_path": str(m.root),
         "split": split,
         "task": eval_task,
-        "n_samples": len(ds),
+        "n_samples": len(ids),
+        "device": str(dev),
+        "workers": n_workers,
+        "precision": precision,
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
     }
     return EvalFeatures(cks, vision, text, captions, ids, info)
 
@@ -817,14 +841,18 @@ def analyze_run(
     batch_size: int = 256,
     chunk_elems: int = DEFAULT_CHUNK_ELEMS,
     progress: bool = False,
+    **embed_kw: Any,
 ) -> RotationResult:
     """Extract features of every selected checkpoint and compute all tables.
 
     modality: vision | text | both; ImAV (which needs both) is computed only with "both".
+    `embed_kw`: `device`, `workers`, `precision`, `store` of `extract_features`.
     """
     if modality not in ("vision", "text", "both"):
         raise CvlError(f"--modality must be vision, text or both, got {modality!r}")
-    f = extract_features(run, stream, split, eval_task, tasks, max_samples, batch_size, progress)
+    f = extract_features(
+        run, stream, split, eval_task, tasks, max_samples, batch_size, progress, **embed_kw
+    )
     mods = MODALITIES if modality == "both" else (modality,)
     tables = analyze_features(
         [c.label for c in f.checkpoints],

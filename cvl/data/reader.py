@@ -19,21 +19,25 @@ A missing KEY.json is harmless (the key is the id). 16-bit greyscale images are 
 from __future__ import annotations
 
 import json
+import math
 import multiprocessing as mp
 import os
 import tarfile
 import zlib
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from PIL import Image
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, get_worker_info
 
+from cvl.data.augment import SplitTransform
 from cvl.data.images import MAX_PIXELS, open_image  # noqa: F401 (MAX_PIXELS: re-exported)
 from cvl.errors import CvlError
 
@@ -197,28 +201,47 @@ class PairDataset(Dataset):
 
     def read_raw(self, i: int) -> tuple[Image.Image, str, dict[str, Any]]:
         """Decode sample i: PIL image (RGB), caption, metadata. Raises on corrupt data."""
+        _, img = self._open(i)
+        img = load_rgb(img)
+        return (img, *self._text(i))
+
+    def _open(self, i: int) -> tuple[bytes, Image.Image]:
+        """Sample i's image bytes and header-only PIL image (no pixel decoded yet)."""
         e = self.entries[i]
-        img = open_image(_FILES.read(e.shard, e.image))  # header only; MAX_PIXELS checked
-        img.load()
-        if img.mode in ("I;16", "I;16B", "I;16L", "I;16N"):  # 16-bit grey -> 8-bit
-            img = img.point(lambda v: v * (1 / 256)).convert("L")
-        img = img.convert("RGB")
+        data = _FILES.read(e.shard, e.image)
+        return data, open_image(data)  # header only; MAX_PIXELS checked
+
+    def _text(self, i: int) -> tuple[str, dict[str, Any]]:
+        e = self.entries[i]
         caption = _FILES.read(e.shard, e.text).decode("utf-8").strip()
         if not caption:
             raise ValueError("empty caption")
         meta = json.loads(_FILES.read(e.shard, e.meta).decode("utf-8")) if e.meta else {}
-        return img, caption, meta
+        return caption, meta
+
+    def _split_read(self, j: int) -> tuple[dict[str, Any], str, dict[str, Any]]:
+        """The split transform's worker part: crop box drawn from the header, then decoded."""
+        data, img = self._open(j)
+        plan = self.transform.prepare(img)
+        parts = self.transform.apply(data, img, plan, load_rgb)
+        return (parts, *self._text(j))
 
     def __getitem__(self, item: int | tuple[int, int]) -> dict[str, Any]:
         i, aug = (item, None) if isinstance(item, int) else item
         n = len(self.entries)
+        split = isinstance(self.transform, SplitTransform)
+        parts: dict[str, Any] = {}
         for replaced in range(n):
             j = (i + replaced) % n
             try:
-                img, caption, meta = self.read_raw(j)
-                break
+                if split:  # the same draws, in the same order, as the Compose (below) makes
+                    with _seeded(aug):
+                        parts, caption, meta = self._split_read(j)
+                else:
+                    img, caption, meta = self.read_raw(j)
             except Exception:  # corrupt JPEG, non-UTF-8 text, bad JSON: take the next sample
                 continue
+            break
         else:
             raise CvlError(
                 f"{self.name or 'dataset'}: all {n} samples failed to decode "
@@ -227,19 +250,15 @@ class PairDataset(Dataset):
         captions = meta.get("captions") or [caption]
         if aug is not None and len(captions) > 1:  # training: one caption per visit
             caption = captions[aug % len(captions)]
-        if self.transform is not None:
-            if aug is None:
+        if split:
+            image = parts.pop("image")
+        elif self.transform is not None:
+            with _seeded(aug):
                 image = self.transform(img)
-            else:
-                with torch.random.fork_rng(devices=[]):
-                    # the CPU generator only: what the transforms draw from (torch.manual_seed
-                    # would also queue lazy seeding of every accelerator type, with a traceback
-                    # each time: ~40 % of a 32 px sample's cost)
-                    torch.default_generator.manual_seed(aug)
-                    image = self.transform(img)
         else:
             image = img
         out = {
+            **parts,
             "image": image,
             "caption": caption,
             "captions": list(captions),
@@ -256,6 +275,17 @@ class PairDataset(Dataset):
         return out
 
 
+def load_rgb(img: Image.Image) -> Image.Image:
+    """Decode a header-only image to 8-bit RGB (16-bit grey scaled to 8 bits: PIL's own RGB
+    conversion would clip it to white)."""
+    img.load()
+    if img.mode in ("I;16", "I;16B", "I;16L", "I;16N"):
+        img = img.point(lambda v: v * (1 / 256)).convert("L")
+    if img.mode != "RGB":  # (convert would copy an RGB image)
+        img = img.convert("RGB")
+    return img
+
+
 _READABLE: dict[tuple[str, str], bool] = {}
 
 
@@ -270,13 +300,55 @@ def _readable(ds: PairDataset, i: int) -> bool:
     return _READABLE[e.ref]
 
 
+@contextmanager
+def _seeded(seed: int | None) -> Iterator[None]:
+    """Torch's CPU generator seeded with `seed` inside, restored after (None: untouched).
+
+    The CPU generator only: what the transforms draw from (torch.manual_seed would also
+    queue lazy seeding of every accelerator type, with a traceback each time: ~40 % of a
+    32 px sample's cost; fork_rng costs twice this)."""
+    if seed is None:
+        yield
+        return
+    gen = torch.default_generator
+    state = gen.get_state()
+    gen.manual_seed(seed)
+    try:
+        yield
+    finally:
+        gen.set_state(state)
+
+
+def _stack(vals: list[Any]) -> torch.Tensor:
+    """One tensor from a batch's tensors (`torch.stack`) or uint8 arrays (the split
+    transform's crops, zero-padded to the largest). In a loader worker the arrays are copied
+    straight into shared memory, as torch's default collate does (no copy to send them)."""
+    if all(isinstance(v, torch.Tensor) and v.shape == vals[0].shape for v in vals):
+        return torch.stack(vals)
+    vals = [v.numpy() if isinstance(v, torch.Tensor) else v for v in vals]
+    shape = [len(vals)] + [max(a.shape[d] for a in vals) for d in range(vals[0].ndim)]
+    elem = torch.from_numpy(np.empty(0, dtype=vals[0].dtype))
+    if get_worker_info() is not None:
+        out = elem.new(elem._typed_storage()._new_shared(math.prod(shape), device="cpu"))
+        out = out.resize_(shape)
+    else:
+        out = elem.new_empty(shape)
+    dst = out.numpy()
+    for i, a in enumerate(vals):
+        dst[(i, *(slice(0, k) for k in a.shape))] = a
+        for d, k in enumerate(a.shape):  # zero the padding (the rest of axis d)
+            if k < shape[d + 1]:
+                dst[(i, *(slice(0, m) for m in a.shape[:d]), slice(k, None))] = 0
+    return out
+
+
 def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
-    """Stack tensors, keep the rest as lists; `n_replaced` becomes the batch total."""
+    """Stack tensors and arrays, keep the rest as lists; `n_replaced` becomes the batch total."""
     out: dict[str, Any] = {}
     for k in items[0]:
         vals = [it[k] for it in items]
-        if isinstance(vals[0], torch.Tensor):
-            out[k] = torch.stack(vals)
+        if isinstance(vals[0], (torch.Tensor, np.ndarray)):
+            out[k] = _stack(vals)
         elif k == "n_replaced":
             out[k] = int(sum(vals))
         else:
@@ -318,14 +390,16 @@ def default_workers(processes_per_node: int = 1) -> int:
     """Loader worker processes per training process when `--workers` is not given.
 
     The CPUs this process may use, shared by the node's training processes, minus one for the
-    training process itself; at least 1 (decoding and augmentation leave the main process),
-    at most 8 (more rarely helps with tar shards on local disk).
+    training process itself; at least 1 (decoding and augmentation leave the main process).
+    No upper cap: a fast GPU takes every core a node gives it (one worker prepares ~500-2,000
+    224-px samples/s with the resize on the GPU, `benchmarks/bench_loader.py`; an H100 steps
+    ViT-B-32 at ~3,500 pairs/s).
     """
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # macOS, Windows
         cpus = os.cpu_count() or 1
-    return max(1, min(8, cpus // max(1, processes_per_node) - 1))
+    return max(1, cpus // max(1, processes_per_node) - 1)
 
 
 class RankBatches:
@@ -372,11 +446,34 @@ def make_loader(
 
 
 def eval_loader(
-    dataset: PairDataset, batch_size: int, rank: int = 0, world: int = 1, num_workers: int = 0
+    dataset: Dataset,
+    batch_size: int,
+    rank: int = 0,
+    world: int = 1,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+    collate_fn: Callable[[list[Any]], Any] = collate,
 ) -> DataLoader:
-    """In-order batches of this rank's contiguous part of the dataset (gather + trim after)."""
+    """In-order batches of this rank's contiguous part of the dataset (gather + trim after).
+
+    With workers (forked, 2 batches prefetched each) the batches still come in order; a part
+    of one batch is read in this process (nothing to overlap; a worker costs a fork).
+    `pin_memory` for CUDA."""
     n = len(dataset)
     per = -(-n // world)
     idx = list(range(rank * per, min(n, (rank + 1) * per)))
     batches = [idx[s : s + batch_size] for s in range(0, len(idx), batch_size)]
-    return DataLoader(dataset, batch_sampler=batches, collate_fn=collate, num_workers=num_workers)
+    workers = min(num_workers, len(batches)) if len(batches) > 1 else 0
+    kw: dict[str, Any] = {}
+    if workers > 0:
+        kw["prefetch_factor"] = 2
+        if "fork" in mp.get_all_start_methods():
+            kw["multiprocessing_context"] = "fork"
+    return DataLoader(
+        dataset,
+        batch_sampler=batches,
+        collate_fn=collate_fn,
+        num_workers=workers,
+        pin_memory=pin_memory,
+        **kw,
+    )

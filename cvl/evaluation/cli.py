@@ -2,21 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import click
 
+from cvl.device import deterministic_option, device_option
 from cvl.errors import CvlError
-
-
-def _accelerator():
-    """An Accelerator when launched distributed (accelerate launch / torchrun), else None."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        from accelerate import Accelerator
-
-        return Accelerator()
-    return None
+from cvl.evaluation.options import DEFAULT_IMAGE_CACHE_MB, precision_option, workers_option
 
 
 def _positive(ctx: click.Context, param: click.Parameter, value: int) -> int:
@@ -134,10 +126,16 @@ def _existing_metrics(run: Path) -> dict | None:
 )
 @click.option(
     "--image-cache-mb",
-    default=1024,
+    type=click.IntRange(min=0),
+    default=DEFAULT_IMAGE_CACHE_MB,
     show_default=True,
-    help="Memory for decoded eval images kept across checkpoints (0 = decode per checkpoint).",
+    help="Memory for decoded eval images (uint8, after resize + crop) kept across checkpoints "
+    "and compared runs: a set that fits is decoded once per command (0 = decode every pass).",
 )
+@device_option
+@workers_option
+@precision_option
+@deterministic_option
 @click.option(
     "--compare",
     is_flag=True,
@@ -165,6 +163,10 @@ def eval_cmd(
     no_cumulative,
     no_plots,
     image_cache_mb,
+    device,
+    workers,
+    precision,
+    deterministic,
     compare,
     quiet,
     runs,
@@ -182,11 +184,18 @@ def eval_cmd(
     CSV tables, plots/*.png; prints the paper-style tables. Checkpoints already evaluated
     with the same options are read from RUN/eval/cache/ (use --force to redo them).
 
+    Runs on the GPU when there is one (--device), in one process; the eval images are decoded
+    by --workers loader processes once per command and kept (--image-cache-mb); --precision
+    bf16 autocasts the embedding passes (recorded in metrics.json; a separate cache entry).
+
     \b
       cvl eval --run runs/a
       cvl eval --run runs/a --tasks last --zeroshot-folder ~/data/imagenet-val
+      cvl eval --run runs/a --device cuda --workers 8 --precision bf16 --batch-size 512
       cvl eval --compare runs/seqft runs/er runs/ctp
     """
+    from cvl.device import determinism, model_runner
+    from cvl.evaluation.imagestore import ImageStore
     from cvl.evaluation.report import render_compare, render_markdown, write_compare, write_outputs
     from cvl.evaluation.runner import EvalOptions, evaluate_run
 
@@ -207,8 +216,14 @@ def eval_cmd(
         force=force,
         progress=not quiet,
         image_cache_mb=image_cache_mb,
+        precision=precision,
+        device=device,
+        workers=workers,
+        deterministic=deterministic,
     )
-    acc = _accelerator()
+    acc, dev = model_runner(device)
+    click.get_current_context().with_resource(determinism(deterministic, dev))  # until return
+    store = ImageStore(image_cache_mb)  # one for every run of a --compare (same stream)
     main = acc is None or acc.is_main_process
     if compare:
         targets = list(runs) + ([run] if run else [])
@@ -221,7 +236,7 @@ def eval_cmd(
                 ms.append({**m, "run": str(r)})  # the folder as named now (its cost is read there)
                 continue
             lock = _lock_eval(r, None, acc)
-            m = evaluate_run(r, opts, acc)
+            m = evaluate_run(r, opts, acc, store=store)
             if main:  # tables only: `cvl eval --run R` writes the run's own plots (from cache)
                 write_outputs(m, Path(r) / "eval", plots=False)
             if lock is not None:
@@ -240,7 +255,7 @@ def eval_cmd(
     if not run:
         raise CvlError("Missing option '--run' (the run folder to evaluate)")
     lock = _lock_eval(run, out, acc)  # noqa: F841 (held until the command ends)
-    m = evaluate_run(run, opts, acc, out)
+    m = evaluate_run(run, opts, acc, out, store=store)
     if not main:
         return
     out_dir = Path(out) if out else Path(run) / "eval"
@@ -251,6 +266,13 @@ def eval_cmd(
         + (f", reused {len(re_)} from cache ({', '.join(re_)})" if re_ else "")
         + f"; wrote {len(files)} files to {out_dir}"
     )
+    rt = m["runtime"].get(ev[0]) if ev else None
+    if rt:
+        click.echo(
+            f"on {rt['device']} ({rt['processes']} process(es), {rt['workers']} loader "
+            f"worker(s)), precision {rt['precision']}, deterministic "
+            f"{'on' if rt['deterministic'] else 'off'}"
+        )
     click.echo(f"retrieval rule: {m['protocol']['retrieval_rule']}")
     click.echo(f"mAP feature: {m['protocol']['map_feature']}\n")
     click.echo(render_markdown(m, full=False))

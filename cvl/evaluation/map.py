@@ -24,7 +24,9 @@ Ties: candidates with equal scores are ordered negatives first (pessimistic), th
 cross-modal retrieval; the sort is stable otherwise (gallery order).
 
 Memory: queries are processed in blocks (at most `block_elems` scores at once) and only the
-top candidates of each query are kept.
+top candidates of each query are kept. The scores and the two stable sorts run on `device`
+(default: where the features are; full float32, see `retrieval.exact_matmul`); the top
+candidates come back to the CPU for the per-query AP.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+from cvl.evaluation.retrieval import exact_matmul
 
 NS = (1, 5, 10)
 DEFAULT_BLOCK_ELEMS = 1 << 22
@@ -85,6 +89,7 @@ def map_at_n(
     gallery_ids: Sequence[Any] | None = None,
     ns: Sequence[int] = NS,
     block_elems: int = DEFAULT_BLOCK_ELEMS,
+    device: torch.device | str | None = None,
 ) -> dict[str, Any]:
     """mAP@N for every N in `ns` and every normalisation (percent), plus counts.
 
@@ -92,8 +97,9 @@ def map_at_n(
     ``n_no_positive`` (queries whose category has no other gallery item; they count as 0).
     Queries with a missing (None) label are skipped and counted in ``n_unlabelled``.
     """
-    q = query_features.float()
-    g = gallery_features.float()
+    dev = torch.device(device) if device is not None else query_features.device
+    q = query_features.to(dev, torch.float32)
+    g = gallery_features.to(dev, torch.float32)
     nq, ng = q.shape[0], g.shape[0]
     if len(query_labels) != nq or len(gallery_labels) != ng:
         raise ValueError("labels and features differ in length")
@@ -113,22 +119,24 @@ def map_at_n(
     counted = no_pos = unlabelled = 0
     rows = max(1, min(max(nq, 1), block_elems // max(1, ng)))
     g_t = g.t().contiguous()
+    g_lab_dev = g_lab.to(dev)
     for r0 in range(0, nq, rows):
         r1 = min(nq, r0 + rows)
-        s = q[r0:r1] @ g_t  # [c, ng]
         same = q_lab[r0:r1, None] == g_lab[None, :]
         excl = torch.zeros_like(same)
         if g_index:
             for r in range(r0, r1):
                 for gi in g_index.get(query_ids[r], ()):
                     excl[r - r0, gi] = True
+        k_keep = min(ng, max_n + int(excl.sum(1).max()) if excl.numel() else max_n)
+        with exact_matmul():
+            s = q[r0:r1] @ g_t  # [c, ng]
         # Pessimistic, stable order: sort by "is positive" (negatives first), then by score.
-        o1 = torch.argsort(same.to(torch.int8), dim=1, stable=True)
+        same_dev = q_lab[r0:r1, None].to(dev) == g_lab_dev[None, :]
+        o1 = torch.argsort(same_dev.to(torch.int8), dim=1, stable=True)
         s1 = torch.gather(s, 1, o1)
         o2 = torch.argsort(s1, dim=1, descending=True, stable=True)
-        order = torch.gather(o1, 1, o2)
-        k_keep = min(ng, max_n + int(excl.sum(1).max()) if excl.numel() else max_n)
-        top = order[:, :k_keep]
+        top = torch.gather(o1, 1, o2[:, :k_keep]).cpu()
         top_same = torch.gather(same, 1, top)
         top_excl = torch.gather(excl, 1, top)
         for r in range(r0, r1):

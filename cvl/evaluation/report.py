@@ -223,6 +223,26 @@ def sections(
     return [(t, tb) for t, tb in out if tb is not None]
 
 
+def _runtime_lines(m: dict[str, Any]) -> list[str]:
+    """Embedding precision, and where each checkpoint was evaluated (device, determinism)."""
+    out = (
+        [f"- embedding precision: {m['protocol']['precision']}"]
+        if "precision" in m.get("protocol", {})
+        else []
+    )
+    where = sorted(
+        {
+            f"{r['device']} ({r['processes']} process(es)), deterministic "
+            + ("on" if r["deterministic"] else "off")
+            for r in (m.get("runtime") or {}).values()
+            if r
+        }
+    )
+    if where:
+        out.append(f"- evaluated on: {'; '.join(where)}")
+    return out
+
+
 def render_markdown(m: dict[str, Any], full: bool = True) -> str:
     lines = []
     if full:
@@ -239,6 +259,7 @@ def render_markdown(m: dict[str, Any], full: bool = True) -> str:
             f"- mAP feature: {p['map_feature']}",
             f"- {p['ap_normalisation']}",
             f"- zero-shot templates: `{p['zs_templates']}`; linear probe: {p['probe']}",
+            *_runtime_lines(m),
             "- BWT (IncCLIP) = 1/(T-1) Σ_{i≥2} (1/i) Σ_{j≤i} (R[i][j] − R[j][j]); BWT = 1/(T-1) Σ_{j<T} "
             "(R[T][j] − R[j][j]); forgetting = mean_j max_{j≤l<T} R[l][j] − R[T][j]; "
             "FR_t = (R[t][t] − R[T][t]) / R[t][t]; FWT = 1/(T-1) Σ_{i≥2} (R[i-1][i] − zero-shot[i])",

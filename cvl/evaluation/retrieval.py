@@ -31,12 +31,18 @@ computed beforehand from the |E| positive pairs only; positives are counted with
 else and subtracted again using their values read from the same block (exact). Extra memory
 is O(N + |E|) plus one block (~1.25 x block_elems x 4 bytes), and the FLOPs are one N x M
 matmul (see benchmarks/bench_retrieval.py).
+
+Device: everything above runs where `device` says (default: where the features are; `cvl eval`
+passes its `--device`), the blocks included; only the ranks come back to the CPU. The scores
+are full float32 there too: TF32 matmuls are switched off for the call (`exact_matmul`), so a
+GPU ranks as the CPU does up to float32 rounding.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -47,10 +53,21 @@ MAX_BLOCK_ROWS = 32767  # column counts of one block are summed in int16
 _ROW_CHUNK = 32767
 
 
+@contextlib.contextmanager
+def exact_matmul() -> Iterator[None]:
+    """float32 matmuls in full float32 for the block (no TF32 on GPUs), restored afterwards."""
+    prev = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(prev)
+
+
 def _count_rows(mask: torch.Tensor) -> torch.Tensor:
     """Per-row number of True (int16 partial sums over column chunks: much faster than int64)."""
     u = mask.view(torch.uint8)
-    out = torch.zeros(mask.shape[0], dtype=torch.long)
+    out = torch.zeros(mask.shape[0], dtype=torch.long, device=mask.device)
     for c0 in range(0, mask.shape[1], _ROW_CHUNK):
         out += u[:, c0 : c0 + _ROW_CHUNK].sum(1, dtype=torch.int16).long()
     return out
@@ -71,7 +88,10 @@ class Positives:
     def image_ptr(self) -> torch.Tensor:
         """CSR row pointer: edges of image i are positions ptr[i]:ptr[i+1]."""
         counts = torch.bincount(self.image, minlength=self.n_images)
-        return torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
+        return torch.cat([torch.zeros(1, dtype=torch.long, device=counts.device), counts.cumsum(0)])
+
+    def to(self, device: torch.device | str) -> Positives:
+        return Positives(self.image.to(device), self.text.to(device), self.n_images, self.n_texts)
 
 
 def pair_positives(text_to_image: torch.Tensor, n_images: int) -> Positives:
@@ -108,15 +128,15 @@ def _best_positive_scores(
     a: torch.Tensor, b: torch.Tensor, pos: Positives
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Best positive score per image and per caption, from the positive pairs only."""
-    s = torch.empty(0, dtype=torch.float32)
+    s = torch.empty(0, dtype=torch.float32, device=a.device)
     chunks = []
     for p0 in range(0, pos.image.numel(), 1 << 16):
         ii, jj = pos.image[p0 : p0 + (1 << 16)], pos.text[p0 : p0 + (1 << 16)]
         chunks.append((a[ii].float() * b[jj].float()).sum(-1))
     s = torch.cat(chunks) if chunks else s
-    neg_inf = torch.full((pos.n_images,), float("-inf"))
+    neg_inf = torch.full((pos.n_images,), float("-inf"), device=a.device)
     best_img = neg_inf.scatter_reduce(0, pos.image, s, reduce="amax", include_self=True)
-    neg_inf_t = torch.full((pos.n_texts,), float("-inf"))
+    neg_inf_t = torch.full((pos.n_texts,), float("-inf"), device=a.device)
     best_txt = neg_inf_t.scatter_reduce(0, pos.text, s, reduce="amax", include_self=True)
     return best_img, best_txt
 
@@ -128,34 +148,50 @@ def retrieval_ranks(
     positives: Positives,
     ties: str = "pessimistic",
     block_elems: int = DEFAULT_BLOCK_ELEMS,
+    device: torch.device | str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """0-based rank of the best positive for every image (among captions) and caption.
 
     An item without any positive gets rank = gallery size (never a hit). Scores are dot
-    products (features are expected L2-normalised, so these are cosines).
+    products (features are expected L2-normalised, so these are cosines). Computed on
+    `device` (default: the features'); the ranks are returned on the CPU.
     """
     if ties not in ("pessimistic", "optimistic"):
         raise ValueError(f"ties must be 'pessimistic' or 'optimistic', got {ties!r}")
-    img = image_features.float()
-    txt = text_features.float()
+    dev = torch.device(device) if device is not None else image_features.device
+    with exact_matmul():
+        img_rank, txt_rank = _ranks(
+            image_features.to(dev, torch.float32),
+            text_features.to(dev, torch.float32),
+            positives.to(dev),
+            ties,
+            block_elems,
+        )
+    return img_rank.cpu(), txt_rank.cpu()
+
+
+def _ranks(
+    img: torch.Tensor, txt: torch.Tensor, positives: Positives, ties: str, block_elems: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     n_i, n_t = img.shape[0], txt.shape[0]
     if (n_i, n_t) != (positives.n_images, positives.n_texts):
         raise ValueError("positives were built for another number of images/captions")
+    dev = img.device
     best_img, best_txt = _best_positive_scores(img, txt, positives)
     # A score s counts against a positive with best score p when s >= p - eps (pessimistic)
     # or s > p + eps (optimistic).
     shift = -TIE_EPS if ties == "pessimistic" else TIE_EPS
     th_img, th_txt = best_img + shift, best_txt + shift
-    ptr = positives.image_ptr()
+    ptr = positives.image_ptr().tolist()  # block bounds, read on the host once
     rows = max(1, min(n_i, MAX_BLOCK_ROWS, block_elems // max(1, n_t)))
-    img_rank = torch.zeros(n_i, dtype=torch.long)
-    txt_rank = torch.zeros(n_t, dtype=torch.long)
+    img_rank = torch.zeros(n_i, dtype=torch.long, device=dev)
+    txt_rank = torch.zeros(n_t, dtype=torch.long, device=dev)
     txt_t = txt.t().contiguous()
     ge = torch.ge if ties == "pessimistic" else torch.gt
     # Reused buffers: one block of scores and one of comparison results (no per-block
     # allocation, so no page-fault churn on large sets).
-    block_buf = torch.empty(rows, n_t, dtype=torch.float32)
-    mask_buf = torch.empty(rows, n_t, dtype=torch.bool)
+    block_buf = torch.empty(rows, n_t, dtype=torch.float32, device=dev)
+    mask_buf = torch.empty(rows, n_t, dtype=torch.bool, device=dev)
     for r0 in range(0, n_i, rows):
         r1 = min(n_i, r0 + rows)
         block = torch.mm(img[r0:r1], txt_t, out=block_buf[: r1 - r0])  # [c, n_t]
@@ -165,7 +201,7 @@ def retrieval_ranks(
         img_rank[r0:r1] += _count_rows(ge(block, th_img[r0:r1, None], out=mask))
         ge(block, th_txt[None, :], out=mask)
         txt_rank += mask.view(torch.uint8).sum(0, dtype=torch.int16).long()
-        e0, e1 = int(ptr[r0]), int(ptr[r1])
+        e0, e1 = ptr[r0], ptr[r1]
         pi, pj = positives.image[e0:e1], positives.text[e0:e1]
         vals = block.view(-1)[(pi - r0) * n_t + pj]
         img_rank[r0:r1] -= torch.bincount(pi[ge(vals, th_img[pi])] - r0, minlength=r1 - r0)
@@ -204,8 +240,10 @@ def retrieval_metrics(
     ks: Sequence[int] = KS,
     ties: str = "pessimistic",
     block_elems: int = DEFAULT_BLOCK_ELEMS,
+    device: torch.device | str | None = None,
 ) -> dict:
-    """All retrieval metrics of one eval set (see the module docstring for the definitions)."""
+    """All retrieval metrics of one eval set (see the module docstring for the definitions);
+    similarity and ranking on `device` (default: where the features are)."""
     n_i = image_features.shape[0]
     if match == "text":
         if captions is None:
@@ -215,7 +253,9 @@ def retrieval_metrics(
         pos = pair_positives(text_to_image, n_i)
     else:
         raise ValueError(f"match must be 'pair' or 'text', got {match!r}")
-    img_rank, txt_rank = retrieval_ranks(image_features, text_features, pos, ties, block_elems)
+    img_rank, txt_rank = retrieval_ranks(
+        image_features, text_features, pos, ties, block_elems, device
+    )
     out = summarize(img_rank, txt_rank, ks)
     out["n_images"] = n_i
     out["n_texts"] = int(text_features.shape[0])

@@ -70,15 +70,24 @@ def load_classnames(spec: str) -> list[str]:
 
 @torch.no_grad()
 def class_embeddings(
-    model: Any, classnames: Sequence[str], templates: Sequence[str], batch_size: int = 256
+    model: Any,
+    classnames: Sequence[str],
+    templates: Sequence[str],
+    batch_size: int = 256,
+    precision: str = "no",
 ) -> torch.Tensor:
-    """[C, D] prompt-ensembled, L2-normalised class embeddings."""
+    """[C, D] prompt-ensembled, L2-normalised class embeddings (on the model's device;
+    `precision` as `embed_dataset`'s; float32 on the CPU)."""
+    from cvl.evaluation.embed import autocast
+
     device = next(model.parameters()).device
     prompts = [t.format(c) for c in classnames for t in templates]
     feats = []
-    for s in range(0, len(prompts), batch_size):
-        tok = model.tokenizer(prompts[s : s + batch_size]).to(device)
-        feats.append(torch.nn.functional.normalize(model.encode_text(tok).float(), dim=-1).cpu())
+    with autocast(device, precision):
+        for s in range(0, len(prompts), batch_size):
+            tok = model.tokenizer(prompts[s : s + batch_size]).to(device)
+            f = model.encode_text(tok).float()
+            feats.append(torch.nn.functional.normalize(f, dim=-1).cpu())
     f = torch.cat(feats).view(len(classnames), len(templates), -1).mean(1)
     return torch.nn.functional.normalize(f, dim=-1)
 
@@ -155,21 +164,23 @@ def scan_image_folder(folder: str | Path) -> tuple[list[Path], list[int], list[s
     return paths, labels, names
 
 
-class _FolderDataset(torch.utils.data.Dataset):
-    def __init__(self, paths: list[Path], transform: Any) -> None:
-        self.paths, self.transform = paths, transform
+class _FolderItems(torch.utils.data.Dataset):
+    """Image files as uint8 tensors (`to_uint8`); a file that fails comes back with its error."""
+
+    def __init__(self, paths: list[Path], to_uint8: Any) -> None:
+        self.paths, self.to_uint8 = paths, to_uint8
 
     def __len__(self) -> int:
         return len(self.paths)
 
-    def __getitem__(self, i: int) -> torch.Tensor:
+    def __getitem__(self, i: int) -> dict[str, Any]:
         from cvl.data.images import open_image
 
         try:
             with open_image(self.paths[i]) as im:  # MAX_PIXELS checked from the header
-                return self.transform(im.convert("RGB"))
+                return {"image": self.to_uint8(im.convert("RGB"))}
         except Exception as e:  # a corrupt file is a user problem worth naming
-            raise CvlError(f"{self.paths[i]}: cannot read image ({e})") from None
+            return {"image": None, "error": f"{self.paths[i]}: cannot read image ({e})"}
 
 
 @torch.no_grad()
@@ -179,24 +190,45 @@ def embed_images(
     batch_size: int = 256,
     accelerator: Any = None,
     progress: bool = False,
+    *,
+    device: torch.device | None = None,
+    num_workers: int = 0,
+    precision: str = "no",
+    store: Any = None,
 ) -> torch.Tensor:
-    """Image embeddings of files (each rank embeds a contiguous part; gathered in order)."""
-    from cvl.data.transforms import image_transform
-    from cvl.evaluation.embed import _gather_rows
+    """Image embeddings of files (each rank embeds a contiguous part; gathered in order).
+
+    Decoded like `embed_dataset`'s sets: uint8 in `num_workers` processes, normalised on the
+    device, kept in `store` (an `ImageStore`) for the next checkpoint when they fit."""
+    from cvl.data.transforms import EvalTransform
+    from cvl.evaluation.embed import _gather_rows_var, autocast
+    from cvl.evaluation.imagestore import ImageBatches
 
     rank = accelerator.process_index if accelerator is not None else 0
     world = accelerator.num_processes if accelerator is not None else 1
-    device = accelerator.device if accelerator is not None else next(model.parameters()).device
-    n = len(paths)
-    per = -(-n // world)
-    mine = paths[rank * per : min(n, (rank + 1) * per)]
-    ds = _FolderDataset(mine, image_transform(model.image_size, train=False))
-    loader = torch.utils.data.DataLoader(ds, batch_size=batch_size, shuffle=False)
+    if accelerator is not None:
+        device = accelerator.device
+    elif device is None:
+        device = next(model.parameters()).device
+    device = torch.device(device)
+    pin = device.type == "cuda"
+    tf = EvalTransform(model.image_size)
+    key = None
+    if store is not None:
+        key = store.key("folder", repr(tf.to_uint8), rank, world, [str(p) for p in paths])
+    batches = ImageBatches(
+        _FolderItems(paths, tf.to_uint8), batch_size, rank, world, num_workers, pin, store, key
+    )
     out = []
-    for x in tqdm(loader, desc="images", disable=not progress or rank != 0, leave=False):
-        out.append(model.encode_image(x.to(device)).float().cpu())
-    local = torch.cat(out) if out else torch.zeros(0, model.embed_dim)
-    return _gather_rows(local, accelerator, n)
+    with autocast(device, precision):
+        for b in tqdm(batches, desc="images", disable=not progress or rank != 0, leave=False):
+            if b["image"] is not None:
+                x = tf.normalize(b["image"].to(device, non_blocking=pin))
+                out.append(model.encode_image(x).float())  # on the device until the end
+    if batches.errors:
+        raise CvlError(batches.errors[0])
+    local = torch.cat(out).cpu() if out else torch.zeros(0, model.embed_dim)
+    return _gather_rows_var(local, accelerator) if world > 1 else local
 
 
 def zeroshot_folder(
@@ -206,10 +238,12 @@ def zeroshot_folder(
     batch_size: int = 256,
     accelerator: Any = None,
     progress: bool = False,
+    **embed_kw: Any,
 ) -> dict[str, Any]:
-    """Zero-shot top-1/top-5 of a model on a labelled image folder."""
+    """Zero-shot top-1/top-5 of a model on a labelled image folder (`embed_kw`: `device`,
+    `num_workers`, `precision`, `store` of `embed_images`)."""
     paths, labels, names = scan_image_folder(folder)
-    feats = embed_images(model, paths, batch_size, accelerator, progress)
-    cls = class_embeddings(model, names, templates, batch_size)
+    feats = embed_images(model, paths, batch_size, accelerator, progress, **embed_kw)
+    cls = class_embeddings(model, names, templates, batch_size, embed_kw.get("precision", "no"))
     scores = torch.nn.functional.normalize(feats, dim=-1) @ cls.t()
     return topk_accuracy(scores, torch.tensor(labels), (1, 5))

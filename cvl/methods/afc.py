@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from cvl.device import to_device
 from cvl.dist import all_reduce_mean, world_size
 from cvl.losses import clip_loss
 from cvl.methods.base import PreviousModelMethod, TaskContext, base_loss
@@ -62,8 +63,10 @@ def feature_importance(model: Any, batches, ctx: TaskContext) -> dict[str, torch
 
 
 def weighted_drift(new: torch.Tensor, old: torch.Tensor, imp: torch.Tensor) -> torch.Tensor:
-    """Σ_c I_c · mean_i (new_ic − old_ic)² (rank mean over equal row counts = global mean)."""
-    return (((new - old.detach()) ** 2).mean(0) * imp.to(new)).sum()
+    """Σ_c I_c · mean_i (new_ic − old_ic)² (rank mean over equal row counts = global mean).
+
+    `imp` may live on the CPU (method state): it is moved without a host sync."""
+    return (((new - old.detach()) ** 2).mean(0) * to_device(imp, new.device).to(new.dtype)).sum()
 
 
 @register("afc")

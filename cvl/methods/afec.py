@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from cvl.data.reader import sample_seed
+from cvl.device import to_device
 from cvl.dist import average_gradients
 from cvl.methods.base import TaskContext, base_loss
 from cvl.methods.ewc import EWC, task_fisher
@@ -116,7 +117,7 @@ class AFEC(EWC):
                 out = model(batch["image"], batch["text"])
                 loss = sum(base_loss(model, batch, out, gen_ctx).values())
                 (loss / accum).backward()
-                losses.append(float(loss.detach()))
+                losses.append(loss.detach())  # read once after the epoch: no sync per step
                 micro += 1
                 if micro < accum:
                     continue
@@ -129,7 +130,7 @@ class AFEC(EWC):
                 self.exp_opt.zero_grad(set_to_none=True)
                 done += 1
             self.fisher_e = task_fisher(gen_ctx, model, int(self.args["fisher_batches"]))
-        self.exp_loss = sum(losses) / max(1, len(losses))
+        self.exp_loss = float(torch.stack(losses).float().mean()) if losses else 0.0
         self.exp_epoch = ctx.epoch
 
     def before_step(self, ctx: TaskContext) -> None:
@@ -152,7 +153,9 @@ class AFEC(EWC):
                 self._pen_grad = od
             else:
                 torch._foreach_add_(self._pen_grad, od)
-            ctx.metrics["afec_expanded_loss"] = self.exp_loss
+            # a device tensor: a Python float would be copied to the device by a blocking copy
+            dev = theta_e[0].device if theta_e else torch.device("cpu")
+            ctx.metrics["afec_expanded_loss"] = to_device(torch.tensor(self.exp_loss), dev)
 
     def loss(self, batch, out, ctx):
         terms = super().loss(batch, out, ctx)

@@ -18,7 +18,7 @@ fixed at task start (the previous task's model) is rebuilt by `before_task` from
 
 from __future__ import annotations
 
-import copy
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +28,7 @@ from torch import nn
 from cvl.dist import all_reduce_mean, gather_no_grad, local_rows, world_size
 from cvl.errors import CvlError
 from cvl.losses import clip_loss
+from cvl.methods.registry import get_method
 
 
 @dataclass
@@ -71,12 +72,30 @@ class TaskContext:
 
 
 def frozen_copy(model: nn.Module) -> nn.Module:
-    """A deep copy with gradients off, in eval mode (reference / old / teacher models)."""
-    m = copy.deepcopy(model)
+    """A deep copy with gradients off, in eval mode (reference / old / teacher models); a model
+    carrying `--tune lora/dora` adapters is copied with them merged (a plain model).
+
+    It keeps the training model's parameter dtype and runs inside the step's autocast (the
+    loop calls `Method.loss` under it; hooks outside it use `step_autocast`), so its forward
+    computes in the training precision exactly as the training model's does. It is not cast
+    to bf16/fp16 itself: open_clip casts the text input to the weights' dtype and would then
+    add positional embeddings, LayerNorms and the logit scale in half precision too.
+    """
+    from cvl.models.tune import plain_copy
+
+    m = plain_copy(model)
     m.eval()
     for p in m.parameters():
         p.requires_grad_(False)
     return m
+
+
+def step_autocast(ctx: TaskContext) -> contextlib.AbstractContextManager:
+    """The training step's autocast (`--precision`) for a hook's forward passes outside the
+    loop's forward block (e.g. IncCLIP's generation in `before_step`); a no-op without an
+    accelerator (unit tests)."""
+    acc = ctx.accelerator
+    return acc.autocast() if hasattr(acc, "autocast") else contextlib.nullcontext()
 
 
 class Method:
@@ -165,6 +184,79 @@ class Method:
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+_PASSED = ("needs_buffer", "buffer_hint", "selects_best_val", "trains")
+
+
+class Wrapper(Method):
+    """A method that runs a base method (`base=NAME`) and adds to it (ZSCL, WiSE, the merges).
+
+    Its own arguments are its `defaults`; every other argument goes to the base method, which
+    runs unchanged (its losses, hooks and state). Wrappers do not nest.
+    """
+
+    def __init__(self, args: dict[str, Any] | None = None) -> None:
+        args = dict(args or {})
+        own = {k: args.pop(k) for k in list(args) if k in type(self).defaults}
+        super().__init__(own)
+        base = self.args["base"]
+        cls = get_method(base)
+        if issubclass(cls, Wrapper) or getattr(cls, "single_task", False):
+            raise CvlError(f"method '{self.name}': base={base} cannot be wrapped")
+        try:
+            self.inner: Method = cls(args)
+        except CvlError as e:
+            own_args = ", ".join(type(self).defaults)
+            raise CvlError(
+                f"method '{self.name}' (base {base}): {e}; {self.name}'s own: {own_args}"
+            ) from None
+        for k in _PASSED:
+            if hasattr(self.inner, k):
+                setattr(self, k, getattr(self.inner, k))
+
+    # -- every hook goes to the base method ---------------------------------------------------
+    def setup(self, ctx: TaskContext) -> None:
+        self.inner.setup(ctx)
+
+    def task_entries(self, ctx: TaskContext) -> list:
+        return self.inner.task_entries(ctx)
+
+    def before_task(self, ctx: TaskContext) -> None:
+        self.inner.before_task(ctx)
+
+    def before_step(self, ctx: TaskContext) -> None:
+        self.inner.before_step(ctx)
+
+    def loss(
+        self, batch: dict[str, Any], out: dict[str, torch.Tensor], ctx: TaskContext
+    ) -> dict[str, torch.Tensor]:
+        return self.inner.loss(batch, out, ctx)
+
+    def after_backward(self, ctx: TaskContext) -> None:
+        self.inner.after_backward(ctx)
+
+    def after_step(self, ctx: TaskContext) -> None:
+        self.inner.after_step(ctx)
+
+    def after_task(self, ctx: TaskContext) -> None:
+        self.inner.after_task(ctx)
+
+    def extra_parameters(self) -> list[nn.Parameter]:
+        return self.inner.extra_parameters()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"base": self.inner.state_dict(), **self.own_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state.get("base", {}))
+        self.load_own_state(state)
+
+    def own_state(self) -> dict[str, Any]:
+        return {}
+
+    def load_own_state(self, state: dict[str, Any]) -> None:
         pass
 
 

@@ -63,7 +63,7 @@ class Co2L(PreviousModelMethod):
         terms = {"itc": masked_clip_loss(v, w, s, anchors=current)}
         if getattr(ctx.model, "has_fusion", False):
             terms["mlm"] = mlm_term(ctx.model, batch, out, ctx)[0]
-        ctx.metrics["co2l_anchor_rows"] = float(current.float().mean())
+        ctx.metrics["co2l_anchor_rows"] = current.float().mean()  # a tensor: no host sync
         if self.old is None:
             return terms
         ov, ow = self.old_features(batch)

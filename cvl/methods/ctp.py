@@ -80,8 +80,24 @@ from cvl.methods.registry import register
 # -- the pieces, as functions (tested one by one) -----------------------------------------------
 
 
-def _blend_tensors(model: nn.Module) -> list[torch.Tensor]:
-    """Parameters + BatchNorm running statistics: what the momentum update blends."""
+def _blend_names(model: nn.Module) -> list[str]:
+    """Parameters + BatchNorm running statistics: what the momentum update blends (names)."""
+    out = [n for n, _ in model.named_parameters()]
+    for mn, m in model.named_modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
+            pre = f"{mn}." if mn else ""
+            out += [pre + b for b in ("running_mean", "running_var") if getattr(m, b) is not None]
+    return out
+
+
+def _blend_tensors(model: nn.Module, names: list[str] | None = None) -> list[torch.Tensor]:
+    """The tensors `_blend_names` lists (of the plain model `names` come from); a model with
+    `--tune lora/dora` adapters gives its weights as they compute (by plain name)."""
+    from cvl.models.tune import effective_state
+
+    if names is not None:
+        eff = effective_state(model)
+        return [eff[n] for n in names]
     out = [p.data for p in model.parameters()]
     for m in model.modules():
         if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
@@ -94,7 +110,10 @@ def compatible_momentum_update(
     momentum: nn.Module, train: nn.Module, ref: nn.Module | None, m: float
 ) -> None:
     """θ_M ← m·θ_M + (1−m)/2·θ_F + (1−m)/2·θ_R; without `ref`: θ_M ← m·θ_M + (1−m)·θ_F."""
-    tm, tf = _blend_tensors(momentum), _blend_tensors(train)
+    from cvl.models.tune import has_adapters
+
+    names = _blend_names(momentum) if has_adapters(train) else None
+    tm, tf = _blend_tensors(momentum), _blend_tensors(train, names)
     torch._foreach_mul_(tm, m)
     if ref is None:
         torch._foreach_add_(tm, tf, alpha=1.0 - m)
@@ -223,7 +242,9 @@ class CTP(Method):
 
     def before_task(self, ctx: TaskContext) -> None:
         self.ref = ctx.previous_model()
-        self.momentum_model.load_state_dict(ctx.model.state_dict())  # M ← F (resume reloads)
+        from cvl.models.tune import effective_state
+
+        self.momentum_model.load_state_dict(effective_state(ctx.model))  # M ← F (resume reloads)
         self.momentum_model.eval()
         self._in_task = True
         if self.ref is None:

@@ -110,5 +110,5 @@ class DER(Method):
         terms["der_mse"] = a["alpha"] * global_masked_mean(per_row / 2, old)
         if a["derpp"]:
             terms["der_replay"] = a["beta"] * masked_clip_loss(v, w, s, anchors=old)
-        ctx.metrics["der_buffer_rows"] = float(old.float().mean())
+        ctx.metrics["der_buffer_rows"] = old.float().mean()  # a tensor: no host sync
         return terms

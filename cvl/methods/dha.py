@@ -112,7 +112,12 @@ class DHA(Method):
 
     @staticmethod
     def _named(ctx: TaskContext) -> list[tuple[str, torch.nn.Parameter]]:
-        return [(n, p) for n, p in ctx.model.named_parameters() if p.is_floating_point()]
+        # what trains (all of it under --tune full; the adapters under --tune lora/dora)
+        return [
+            (n, p)
+            for n, p in ctx.model.named_parameters()
+            if p.is_floating_point() and p.requires_grad
+        ]
 
     def before_step(self, ctx: TaskContext) -> None:
         if self.hist is None:

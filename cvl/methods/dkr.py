@@ -44,7 +44,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from cvl.losses import js_rows, old_new_global_logits, row_correct, sum_over_global_rows
 from cvl.methods.base import PreviousModelMethod, TaskContext, base_loss
@@ -65,7 +64,7 @@ def rectify(
     global batch); `targets`: each row's own column (its "diagonal").
     """
     old, new = old_aff.detach().float(), new_aff.detach().float()
-    diag = F.one_hot(targets, old.shape[1]).bool()
+    diag = torch.arange(old.shape[1], device=old.device)[None, :] == targets[:, None]
     p_old = old.gather(1, targets[:, None])
     p_new = new.gather(1, targets[:, None])
     ok_old = row_correct(old, targets)[:, None]
@@ -133,5 +132,5 @@ class DKR(PreviousModelMethod):
         terms["dkr_js"] = a["lam"] * (js_i2t + js_t2i)
         cases = torch.cat([c_i2t, c_t2i])
         for k, name in enumerate(("dkr_old_correct", "dkr_new_only", "dkr_neither")):
-            ctx.metrics[name] = float((cases == k).float().mean())
+            ctx.metrics[name] = (cases == k).float().mean()  # a tensor: no host sync
         return terms

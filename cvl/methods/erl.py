@@ -29,6 +29,22 @@ from cvl.methods.base import PreviousModelMethod, TaskContext, base_loss
 from cvl.methods.registry import register
 
 
+def relation_rows(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    old_x: torch.Tensor,
+    old_y: torch.Tensor,
+    exemplar: torch.Tensor,
+) -> torch.Tensor:
+    """Per row i (this rank's): Σ over the global batch's exemplar columns j of
+    (x_i·y_j − x'_i·y'_j)² (`exemplar`: this rank's mask)."""
+    cols = gather_no_grad(exemplar)
+    new = x @ gather_with_grad(y).t()
+    with torch.no_grad():
+        old = old_x @ gather_no_grad(old_y).t()
+    return ((new - old) ** 2 * cols[None, :].to(new.dtype)).sum(-1)
+
+
 def relation_mse(
     x: torch.Tensor,
     y: torch.Tensor,
@@ -38,12 +54,9 @@ def relation_mse(
 ) -> torch.Tensor:
     """mean over exemplar pairs (i, j) of (x_i·y_j − x'_i·y'_j)², i this rank's rows, j the
     global batch's; rows and columns restricted to `exemplar` (this rank's mask)."""
-    cols = gather_no_grad(exemplar)
-    new = x @ gather_with_grad(y).t()
-    with torch.no_grad():
-        old = old_x @ gather_no_grad(old_y).t()
-    per_row = ((new - old) ** 2 * cols[None, :].to(new.dtype)).sum(-1)
-    return global_masked_mean(per_row, exemplar) / global_count(exemplar).clamp(min=1.0)
+    n = global_count(exemplar)
+    per_row = relation_rows(x, y, old_x, old_y, exemplar)
+    return global_masked_mean(per_row, exemplar, n) / n.clamp(min=1.0)
 
 
 @register("erl")
@@ -62,8 +75,11 @@ class ERL(PreviousModelMethod):
         v, w = out["image_features"], out["text_features"]
         ex = ctx.buffer.in_buffer(batch, v.device)
         ov, ow = self.old_features(batch)
-        rel = relation_mse(v, v, ov, ov, ex) + relation_mse(w, w, ow, ow, ex)
-        rel = rel + relation_mse(v, w, ov, ow, ex)
+        # the three relations' rows summed first: one exemplar count (one all_reduce) per step
+        rows = relation_rows(v, v, ov, ov, ex) + relation_rows(w, w, ow, ow, ex)
+        rows = rows + relation_rows(v, w, ov, ow, ex)
+        n = global_count(ex)
+        rel = global_masked_mean(rows, ex, n) / n.clamp(min=1.0)
         terms["erl"] = self.args["weight"] * rel / 3
-        ctx.metrics["erl_exemplar_rows"] = float(ex.float().mean())
+        ctx.metrics["erl_exemplar_rows"] = ex.float().mean()  # a tensor: no host sync
         return terms

@@ -19,7 +19,9 @@ for the image and the text embeddings (averaged). Total: base loss + λ·L_geo; 
 loss. Choices (the papers give none for VL): the subspaces come from the L2-normalised
 embeddings of the global batch; k = `dim` (0: half the embedding width, at most N − 1);
 Q carries no gradient (the SVDs are not differentiated; the gradient flows through z_i in the
-similarity); λ = `weight` = 1. Logged: `itc`, `geodl` (+ `mlm`).
+similarity); λ = `weight` = 1. Logged: `itc`, `geodl` (+ `mlm`). On a GPU the four SVDs per
+step make the host wait for the device (torch checks cuSOLVER's convergence flag): GeoDL's
+one unavoidable host sync per step; the rest of its step makes none.
 """
 
 from __future__ import annotations

@@ -102,10 +102,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cvl.device import to_device
 from cvl.dist import gather_no_grad, gather_with_grad, rank, world_size
 from cvl.errors import CvlError
 from cvl.losses import global_logits
-from cvl.methods.base import PreviousModelMethod, TaskContext
+from cvl.methods.base import PreviousModelMethod, TaskContext, step_autocast
 from cvl.methods.registry import register
 
 # -- open_clip text tower from token embeddings ------------------------------------------------
@@ -139,7 +140,8 @@ def pooled_length(model: Any, tokens: torch.Tensor) -> int | None:
     With open_clip's causal mask, the pooled (end-token) output depends only on positions up
     to the pooled one: later positions can be left out of the forward without changing any
     feature, and their gradient is exactly zero. None when the tower is not causal, has a CLS
-    token, or pools elsewhere (then nothing is trimmed). One host sync (a data-dependent shape).
+    token, or pools elsewhere (then nothing is trimmed). A data-dependent shape: with `tokens`
+    on a GPU one host sync (IncCLIP's step passes the CPU copies of its memory's ids).
     """
     clip = getattr(model, "clip", model)
     kind, t = _text_tower(clip)
@@ -241,6 +243,7 @@ def generate_pseudo(
     lr: float,
     s_min: float,
     s_max: float,
+    length: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Pseudo negative texts by SGD in the old model's token-embedding space (§3.2).
 
@@ -248,10 +251,12 @@ def generate_pseudo(
     `i`, `j`, `beta` [K]: the mixtures. Returns embeds [K, L, W] (detached), tokens [K, L]
     (pooling), length (positions up to the last pooled one: the only ones optimised and
     encoded, see `pooled_length`; the rest keep their initial values), old_features [K, D] (the old model's features of the final embeddings) and the
-    mean L_G before / after (`loss0`, `loss`) and the final mean cosine (`cos`).
+    mean L_G before / after (`loss0`, `loss`) and the final mean cosine (`cos`). `length`:
+    `pooled_length` of the mixtures' token ids when the caller knows it (from CPU copies: no
+    host sync); else it is computed here (one host sync on a GPU).
     """
     e_full, struct = _init_pseudo(token_embedding(old), tokens, i, j, beta)
-    n = pooled_length(old, struct) or struct.shape[1]
+    n = (length if length is not None else pooled_length(old, struct)) or struct.shape[1]
     e = e_full[:, :n].clone()  # later positions: no effect on the features, zero gradient
     u = image_features.detach().float()
     loss0 = None
@@ -323,18 +328,18 @@ def clip_weight_norms_(
 ) -> torch.Tensor:
     """Rescale in place every tensor whose norm exceeds γ·init_norm to exactly that norm.
 
-    Returns the bool mask of the tensors that were rescaled.
+    Returns the bool mask of the tensors that were rescaled (on their device).
     """
     if not params:
         return torch.zeros(0, dtype=torch.bool)
     norms = torch.stack(torch._foreach_norm(params)).float()
-    limit = gamma * init_norms.to(norms.device, torch.float32)
+    limit = gamma * to_device(init_norms, norms.device).float()
     over = norms > limit
-    if bool(over.any()):
-        factors = torch.where(over, limit / norms.clamp_min(1e-12), torch.ones_like(norms))
-        sel = over.nonzero().flatten().tolist()
-        torch._foreach_mul_([params[k] for k in sel], [factors[k].to(params[k].dtype) for k in sel])
-    return over.cpu()
+    # every tensor is multiplied, the others by exactly 1 (bitwise unchanged): choosing the
+    # rescaled ones on the host would wait for the GPU every step
+    factors = torch.where(over, limit / norms.clamp_min(1e-12), torch.ones_like(norms))
+    torch._foreach_mul_(params, [f.to(p.dtype) for f, p in zip(factors.unbind(), params)])
+    return over
 
 
 # -- the method ----------------------------------------------------------------------------------
@@ -450,19 +455,24 @@ class IncCLIP(PreviousModelMethod):
             per = k // w
             mine = slice(rank() * per, (rank() + 1) * per)
             i, j, beta = i[mine], j[mine], beta[mine]
+        tokens = self.mem_tokens[idx]
+        # the positions to run, from the CPU copies of the mixtures' token ids (no host sync)
+        length = pooled_length(self.old, torch.where(beta[:, None] >= 0.5, tokens[i], tokens[j]))
         dev = ctx.device
-        out = generate_pseudo(
-            self.old,
-            self.mem_tokens[idx].to(dev),
-            self.mem_features[idx].to(dev),
-            i.to(dev),
-            j.to(dev),
-            beta,
-            a["gen_steps"],
-            a["gen_lr"],
-            a["s_min"],
-            a["s_max"],
-        )
+        with step_autocast(ctx):  # the old model runs in the training precision
+            out = generate_pseudo(
+                self.old,
+                to_device(tokens, dev),
+                to_device(self.mem_features[idx], dev),
+                to_device(i, dev),
+                to_device(j, dev),
+                to_device(beta, dev),
+                a["gen_steps"],
+                a["gen_lr"],
+                a["s_min"],
+                a["s_max"],
+                length=length,
+            )
         out["split"] = split
         self.pseudo = out
 
@@ -490,7 +500,7 @@ class IncCLIP(PreviousModelMethod):
         ov, ow = (f.float() for f in self.old_features(batch))
         with torch.no_grad():
             # 1/τ_old; tau_old=0: the old model's own learned temperature
-            old_scale = 1.0 / a["tau_old"] if a["tau_old"] > 0 else float(self.old.logit_scale())
+            old_scale = 1.0 / a["tau_old"] if a["tau_old"] > 0 else self.old.logit_scale()
             old_i2t, old_t2i, _ = global_logits(ov, ow, old_scale)
             if old_pseudo is not None and old_pseudo.shape[0] > 0:
                 old_i2t = torch.cat([old_i2t, old_scale * ov @ old_pseudo.float().t()], 1)

@@ -93,7 +93,15 @@ def projection_slots(model: Any) -> tuple[list[tuple[nn.Module, str, int]], list
 @torch.no_grad()
 def make_cosine_projections(model: Any) -> None:
     """Cosine-normalised projections: normalised weight in the forward, bias zero and frozen."""
+    from torch.nn.utils import parametrize
+
     slots, biases = projection_slots(model)
+    for module, attr, _ in slots:
+        if parametrize.is_parametrized(module, attr):
+            raise CvlError(
+                "lucir normalises the projection weights itself; with --tune lora/dora keep "
+                "adapters off them (--tune-arg targets=PATTERNS, e.g. '*transformer*')"
+            )
     for module, attr, dim in slots:
         cosine_normalize(module, attr, dim)
     for b in biases:

@@ -33,6 +33,12 @@ METHOD_MODULES = [
     "cvl.methods.afc",
     "cvl.methods.wise",
     "cvl.methods.zscl",
+    "cvl.methods.ema_merge",
+    "cvl.methods.zs_merge",
+    "cvl.methods.ft_merge",
+    "cvl.methods.task_arith",
+    "cvl.methods.ties",
+    "cvl.methods.model_stock",
 ]
 
 

@@ -178,16 +178,21 @@ def save_weights(model: VLModel, path: str | os.PathLike) -> None:
     """Write the model's weights (safetensors, shared/tied tensors once), atomically."""
     import tempfile
 
-    from safetensors.torch import save_model
+    from safetensors.torch import save_file, save_model
+
+    from cvl.models.tune import dedupe_shared, effective_state, has_adapters
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
+    meta = {"format": "pt", "cvl_kind": str(getattr(model, "kind", ""))}
     try:
-        save_model(
-            model, tmp, metadata={"format": "pt", "cvl_kind": str(getattr(model, "kind", ""))}
-        )
+        if has_adapters(model):  # --tune lora/dora: the merged weights under their plain names
+            sd, dropped = dedupe_shared(effective_state(model))
+            save_file({k: v.cpu() for k, v in sd.items()}, tmp, metadata={**dropped, **meta})
+        else:
+            save_model(model, tmp, metadata=meta)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -202,8 +207,15 @@ def load_weights(model: VLModel, path: str | os.PathLike) -> None:
     path = Path(path)
     if not path.is_file():
         raise CvlError(f"{path}: weights file not found")
+    from cvl.models.tune import assign_, has_adapters
+
     try:
-        missing, unexpected = load_model(model, str(path), strict=False)
+        if has_adapters(model):  # --tune lora/dora: the weights become the adapted ones' base
+            from safetensors.torch import load_file
+
+            missing, unexpected = assign_(model, load_file(str(path)))
+        else:
+            missing, unexpected = load_model(model, str(path), strict=False)
     except RuntimeError as e:  # shape mismatch
         lines = [ln.strip() for ln in str(e).splitlines() if "size mismatch" in ln]
         detail = lines[0] if lines else str(e).splitlines()[0]

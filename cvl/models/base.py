@@ -72,6 +72,10 @@ class VLModel(nn.Module):
     def config(self) -> dict[str, Any]:
         raise NotImplementedError
 
+    def towers(self) -> dict[str, tuple[str, ...]]:
+        """Parameter-name prefixes of the "image" and "text" towers (`--tune locked-*`)."""
+        raise CvlError(f"the '{self.kind}' model does not name its towers")
+
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         """Recompute the encoders' transformer blocks in backward instead of storing them."""
         raise CvlError(f"--grad-checkpointing is not supported by the '{self.kind}' model")

@@ -163,6 +163,12 @@ class CLIPModel(VLModel):
     def config(self) -> dict[str, Any]:
         return copy.deepcopy(self._cfg)
 
+    def towers(self) -> dict[str, tuple[str, ...]]:
+        """open_clip's `visual`; the text tower of `CLIP` (or `CustomTextCLIP.text`)."""
+        text = ("transformer.", "token_embedding.", "positional_embedding", "ln_final.")
+        text += ("text_projection", "text.")
+        return {"image": ("clip.visual.",), "text": tuple(f"clip.{t}" for t in text)}
+
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         """open_clip's own: every transformer block (ViT and text) is checkpointed.
 

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cvl.data.tokenizers import build_tokenizer
+from cvl.device import to_device
 from cvl.errors import CvlError
 from cvl.models.base import VLModel
 
@@ -417,6 +418,15 @@ class FusionModel(VLModel):
     def bert(self) -> _Bert:
         return self.text_encoder.bert
 
+    def towers(self) -> dict[str, tuple[str, ...]]:
+        """The ViT + its projection; the BERT embeddings, text layers + their projection (the
+        fusion layers and the MLM head are neither)."""
+        layers = tuple(f"text_encoder.bert.encoder.layer.{i}." for i in range(self.text_layers))
+        return {
+            "image": ("visual_encoder.", "vision_proj."),
+            "text": ("text_encoder.bert.embeddings.", *layers, "text_proj."),
+        }
+
     # --- encoders ------------------------------------------------------------------------------
     def image_tokens(self, images: torch.Tensor) -> torch.Tensor:
         """ViT output tokens [N, 1+P, W] (CLS first, final LayerNorm applied)."""
@@ -509,17 +519,17 @@ class FusionModel(VLModel):
         """
         dev = generator.device if generator is not None else torch.device("cpu")
         shape = tokens.shape
-        sel_r = torch.rand(shape, generator=generator, device=dev).to(tokens.device)
-        how_r = torch.rand(shape, generator=generator, device=dev).to(tokens.device)
+        # drawn where the generator lives, moved without a host sync (no boolean indexing)
+        sel_r = to_device(torch.rand(shape, generator=generator, device=dev), tokens.device)
+        how_r = to_device(torch.rand(shape, generator=generator, device=dev), tokens.device)
         pick = torch.randint(len(self._word_ids), shape, generator=generator, device=dev)
-        random_words = self._word_ids[pick.to(self._word_ids.device)].to(tokens.device)
+        random_words = self._word_ids[to_device(pick, self._word_ids.device)].to(tokens.device)
         special = (tokens == self.pad_id) | (tokens == self.cls_id) | (tokens == self.sep_id)
         selected = (sel_r < prob) & ~special
         labels = torch.where(selected, tokens, torch.full_like(tokens, IGNORE_INDEX))
-        masked = tokens.clone()
-        masked[selected & (how_r < 0.8)] = self.mask_id
+        masked = torch.where(selected & (how_r < 0.8), self.mask_id, tokens)
         rnd = selected & (how_r >= 0.8) & (how_r < 0.9)
-        masked[rnd] = random_words[rnd]
+        masked = torch.where(rnd, random_words, masked)
         return masked, labels
 
     def mlm_logits(
@@ -667,12 +677,14 @@ class FusionModel(VLModel):
 
 
 def mlm_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean CE over the masked positions; a graph-connected 0 when nothing was masked."""
-    if not bool((labels != IGNORE_INDEX).any()):
-        return logits.sum() * 0.0
-    return F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX
+    """Mean CE over the masked positions; a graph-connected 0 when nothing was masked.
+
+    Summed, then divided by the count (at least 1): no host sync to test for "nothing"."""
+    flat = labels.reshape(-1)
+    ce = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), flat, ignore_index=IGNORE_INDEX, reduction="sum"
     )
+    return ce / (flat != IGNORE_INDEX).sum().clamp(min=1)
 
 
 def mlm_distillation(
@@ -686,13 +698,16 @@ def mlm_distillation(
     CTP's L_mlm^c and ALBEF's momentum distillation (T = 1, where the T² factor is 1 and this
     is exactly their equation); LwF/LUCIR's MLM distillation. T² (Hinton et al.) keeps the
     gradient scale independent of T when T ≠ 1 is chosen.
+
+    Computed at every position and averaged over the masked ones (selecting the masked rows
+    first would size a tensor by a count on the device: a host sync per step); a
+    graph-connected 0 when nothing was masked.
     """
     sel = labels != IGNORE_INDEX
-    if not bool(sel.any()):
-        return student_logits.sum() * 0.0
-    t = F.softmax(teacher_logits[sel].detach().float() / temperature, dim=-1)
-    s = F.log_softmax(student_logits[sel].float() / temperature, dim=-1)
-    return -(t * s).sum(-1).mean() * (temperature**2)
+    t = F.softmax(teacher_logits.detach().float() / temperature, dim=-1)
+    s = F.log_softmax(student_logits.float() / temperature, dim=-1)
+    per_pos = torch.where(sel, -(t * s).sum(-1), 0.0)
+    return per_pos.sum() / sel.sum().clamp(min=1) * (temperature**2)
 
 
 def _read_state_dict(p: Path) -> dict[str, torch.Tensor]:

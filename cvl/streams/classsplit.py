@@ -201,8 +201,8 @@ def build_class_split(
     from tqdm import tqdm
 
     from cvl.data.reader import _FILES
-    from cvl.streams.writer import BuildReport, ShardSink
     from cvl.streams.pseudolabel import read_labels
+    from cvl.streams.writer import BuildReport, ShardSink
 
     src = Path(src)
     m = load_manifest(src)
@@ -315,7 +315,9 @@ def build_class_split(
                 rel = f"train/{t}" if split == "train" else f"eval/{split}/{t}"
                 sink = ShardSink(tmp, rel, opts.shard_size)
                 for e, c, score, stask in rows:
-                    meta = json.loads(_FILES.read(e.shard, e.meta).decode("utf-8")) if e.meta else {}
+                    meta = (
+                        json.loads(_FILES.read(e.shard, e.meta).decode("utf-8")) if e.meta else {}
+                    )
                     jpg = _FILES.read(e.shard, e.image)
                     cap = _FILES.read(e.shard, e.text).decode("utf-8")
                     new = dict(meta)

@@ -123,7 +123,7 @@ PRESETS: dict[str, Preset] = {
 # -- raw data layout under --data ----------------------------------------------------------------
 def _first(cands: list[Path], what: str, is_dir: bool = False) -> Path:
     for c in cands:
-        if (c.is_dir() if is_dir else c.is_file()):
+        if c.is_dir() if is_dir else c.is_file():
             return c
     raise CvlError(f"{what} not found (looked for {', '.join(str(c) for c in cands)})")
 
@@ -146,7 +146,9 @@ def _ec(data: Path, opts: BuildOptions, **kw: Any) -> Manifest:
     return build_ec(_first([data / "ec", data / "ECommerce-T2I"], "ec: folder", True), opts, **kw)
 
 
-def _iapr(data: Path, opts: BuildOptions, test_fraction: float | None = None, **kw: Any) -> Manifest:
+def _iapr(
+    data: Path, opts: BuildOptions, test_fraction: float | None = None, **kw: Any
+) -> Manifest:
     from cvl.streams.iapr import ANN_DIR, build_iapr, read_iapr
 
     root = _first(

@@ -34,6 +34,7 @@ from typing import Any
 
 import click
 
+from cvl.device import deterministic_option, device_option
 from cvl.errors import CvlError
 from cvl.io import (
     atomic_write_bytes,
@@ -199,6 +200,7 @@ class LabelOptions:
     num_workers: int = 0
     overwrite: bool = False
     progress: bool = True
+    device: str = "auto"  # one process: where the classifier runs (cvl.device); not in the key
 
 
 def _fingerprint(manifest: Any, opts: LabelOptions, n_classes: int, n_units: int) -> dict:
@@ -262,8 +264,10 @@ def _label_stream(stream: str | os.PathLike, opts: LabelOptions, accelerator: An
                 f"{folder}: labels of an earlier version of the stream; pass --overwrite"
             )
         return {**info, "already_complete": True}
+    from cvl.device import resolve_device
+
     model, processor, classes = load_classifier(opts.model)
-    device = acc.device if acc is not None else torch.device("cpu")
+    device = acc.device if acc is not None else resolve_device(opts.device)
     model.to(device)
     parts = stream_parts(manifest)
     units, left_out = plan_units(parts, opts.unit_size)
@@ -300,6 +304,7 @@ def _label_stream(stream: str | os.PathLike, opts: LabelOptions, accelerator: An
         batch_sampler=batches,
         collate_fn=_collate,
         num_workers=opts.num_workers,
+        pin_memory=device.type == "cuda",
     )
     bar = tqdm(
         total=len(entries),
@@ -316,7 +321,7 @@ def _label_stream(stream: str | os.PathLike, opts: LabelOptions, accelerator: An
         for b, items in enumerate(loader):
             good = [it for it in items if it["x"] is not None]
             if good:
-                x = torch.stack([it["x"] for it in good]).to(device)
+                x = torch.stack([it["x"] for it in good]).to(device, non_blocking=True)
                 logits = model(pixel_values=x).logits.float()
                 if logits.shape[-1] != len(classes):
                     raise CvlError(
@@ -345,6 +350,8 @@ def _label_stream(stream: str | os.PathLike, opts: LabelOptions, accelerator: An
         "images": sum(u.stop - u.start for u in todo),
         "units": len(todo),
         "processes": world,
+        "device": str(device),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
         "seconds": round(time.perf_counter() - t0, 3),  # loop + waiting for the slowest rank
     }
     info: dict[str, Any] = {}
@@ -437,17 +444,6 @@ def _positive(ctx: click.Context, param: click.Parameter, value: int) -> int:
     return value
 
 
-def _accelerator() -> Any:
-    """An Accelerator when launched with several processes (accelerate launch / torchrun)."""
-    import torch
-
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        from accelerate import Accelerator
-
-        return Accelerator(cpu=not torch.cuda.is_available())
-    return None
-
-
 @click.command("pseudo-label")
 @click.option(
     "--stream",
@@ -480,6 +476,8 @@ def _accelerator() -> Any:
 )
 @click.option("--overwrite", is_flag=True, help="Discard existing or unfinished labels.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
+@device_option
+@deterministic_option
 def pseudo_label(
     stream: str,
     model: str,
@@ -489,6 +487,8 @@ def pseudo_label(
     workers: int,
     overwrite: bool,
     quiet: bool,
+    device: str,
+    deterministic: bool | None,
 ) -> None:
     """Top-1 class, label and confidence of every image of a stream (IncCLIP's BEiT step).
 
@@ -511,8 +511,12 @@ def pseudo_label(
         num_workers=workers,
         overwrite=overwrite,
         progress=not quiet,
+        device=device,
     )
-    acc = _accelerator()
+    from cvl.device import determinism, model_runner
+
+    acc, dev = model_runner(device)
+    click.get_current_context().with_resource(determinism(deterministic, dev))  # until return
     info = label_stream(stream, opts, acc)
     if acc is None or acc.is_main_process:
         folder = labels_folder(stream, opts.name or default_name(model))

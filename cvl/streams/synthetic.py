@@ -27,7 +27,11 @@ vocabulary at low density): train CLIP_0 on it once and start every method from 
 from __future__ import annotations
 
 import math
+import multiprocessing as mp
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from multiprocessing.pool import Pool
 from pathlib import Path
 
 import click
@@ -272,10 +276,10 @@ def task_domains(spec: SynthSpec) -> list[dict]:
     return doms
 
 
-def _texture(
-    size: int, style: str, colour: tuple[int, int, int], rng: np.random.Generator
-) -> Image.Image:
-    """Full-canvas texture in the object's colour for a style (masked by the shape later)."""
+def _texture(size: int, style: str, colour: tuple[int, int, int], jitter: list) -> Image.Image:
+    """Full-canvas texture in the object's colour for a style (masked by the shape later).
+
+    `jitter`: the speckled style's (dx, dy) per dot, drawn in advance (`texture_jitter`)."""
     img = Image.new("RGB", (size, size), colour)
     d = ImageDraw.Draw(img)
     dark = tuple(int(c * 0.35) for c in colour)
@@ -289,57 +293,80 @@ def _texture(
                 d.rectangle([0, x + size // 2, size, x + size // 2 + w // 2], fill=dark)
     elif style in ("dotted", "speckled"):
         r = step // 4 if style == "dotted" else step // 6
+        dots = iter(jitter)
         for y in range(step // 2, size, step):
             for x in range(step // 2, size, step):
-                jx, jy = rng.integers(-r, r + 1, 2) if style == "speckled" else (0, 0)
+                jx, jy = next(dots) if style == "speckled" else (0, 0)
                 d.ellipse([x + jx - r, y + jy - r, x + jx + r, y + jy + r], fill=dark)
     elif style == "two-tone":
         d.rectangle([0, size // 2, size, size], fill=(250, 250, 250))
     return img
 
 
-def draw_sample(
-    spec: SynthSpec, dom: dict, rng: np.random.Generator
-) -> tuple[Image.Image, str, str]:
-    """One image with its caption and category (the shape name)."""
+def texture_jitter(size: int, style: str, rng: np.random.Generator) -> list[tuple[int, int]]:
+    """The speckled style's random dot offsets, in drawing order (empty for other styles)."""
+    if style != "speckled":
+        return []
+    step = max(4, size // 10)
+    r = step // 6
+    n = len(range(step // 2, size, step)) ** 2
+    return [tuple(int(v) for v in rng.integers(-r, r + 1, 2)) for _ in range(n)]
+
+
+def plan_sample(spec: SynthSpec, dom: dict, rng: np.random.Generator) -> dict:
+    """Every random choice of one sample, drawn from `rng` (cheap; drawing is `render_sample`).
+
+    Kept apart so a builder can draw plans in order in one process and render them in many:
+    the same rng sequence, hence the same bytes, whatever the number of processes."""
     S = spec.image_size * SS
-    shape = dom["shapes"][rng.integers(len(dom["shapes"]))]
-    colour = list(COLOURS)[rng.integers(len(COLOURS))]
-    size = list(SIZES)[rng.integers(len(SIZES))]
-    pos = list(POSITIONS)[rng.integers(len(POSITIONS))]
-    bg = BACKGROUNDS[rng.integers(len(BACKGROUNDS))]
+    p: dict = {
+        "shape": dom["shapes"][rng.integers(len(dom["shapes"]))],
+        "colour": list(COLOURS)[rng.integers(len(COLOURS))],
+        "size": list(SIZES)[rng.integers(len(SIZES))],
+        "pos": list(POSITIONS)[rng.integers(len(POSITIONS))],
+        "bg": BACKGROUNDS[rng.integers(len(BACKGROUNDS))],
+    }
     # a second style costs one more draw, only where a task has two (disjoint streams unchanged);
     # the style chosen brings its task's background tint
     styles = dom.get("styles", [dom["style"]])
     k = int(rng.integers(len(styles))) if len(styles) > 1 else 0
-    style = styles[k]
+    p["style"] = styles[k]
     tint = np.array(dom.get("tints", [dom["tint"]])[k])
-    base = tuple(int(v) for v in np.clip(tint + rng.integers(-8, 9, 3), 0, 255))
+    p["base"] = tuple(int(v) for v in np.clip(tint + rng.integers(-8, 9, 3), 0, 255))
+    cx, cy = POSITIONS[p["pos"]]
+    p["cx"] = cx + rng.uniform(-0.04, 0.04)
+    p["cy"] = cy + rng.uniform(-0.04, 0.04)
+    p["rad"] = SIZES[p["size"]] * rng.uniform(0.9, 1.1) * S
+    p["rot"] = rng.uniform(-0.25, 0.25)
+    p["jitter"] = texture_jitter(S, p["style"], rng)
+    return p
+
+
+def render_sample(image_size: int, p: dict) -> tuple[Image.Image, str, str]:
+    """Draw a planned sample: image, caption, category (the shape name). No randomness."""
+    S = image_size * SS
+    base, style, cx, cy, rad = p["base"], p["style"], p["cx"], p["cy"], p["rad"]
     light = tuple(int(v) for v in np.clip(np.array(base) + 35, 0, 255))
     img = Image.new("RGB", (S, S), base)
     d = ImageDraw.Draw(img)
     step = S // 8
-    if bg == "striped":
+    if p["bg"] == "striped":
         for y in range(0, S, step):
             d.rectangle([0, y, S, y + step // 3], fill=light)
-    elif bg == "checkered":
+    elif p["bg"] == "checkered":
         for y in range(0, S, step):
             for x in range(0, S, step):
                 if (x // step + y // step) % 2 == 0:
                     d.rectangle([x, y, x + step - 1, y + step - 1], fill=light)
-    elif bg == "dotted":
+    elif p["bg"] == "dotted":
         r = step // 6
         for y in range(step // 2, S, step):
             for x in range(step // 2, S, step):
                 d.ellipse([x - r, y - r, x + r, y + r], fill=light)
-    cx, cy = POSITIONS[pos]
-    cx += rng.uniform(-0.04, 0.04)
-    cy += rng.uniform(-0.04, 0.04)
-    rad = SIZES[size] * rng.uniform(0.9, 1.1) * S
-    rot = rng.uniform(-0.25, 0.25)
-    c, s = math.cos(rot), math.sin(rot)
+    c, s = math.cos(p["rot"]), math.sin(p["rot"])
     poly = [
-        (cx * S + rad * (x * c - y * s), cy * S + rad * (x * s + y * c)) for x, y in SHAPES[shape]
+        (cx * S + rad * (x * c - y * s), cy * S + rad * (x * s + y * c))
+        for x, y in SHAPES[p["shape"]]
     ]
     mask = Image.new("L", (S, S), 0)
     md = ImageDraw.Draw(mask)
@@ -352,10 +379,23 @@ def draw_sample(
         md.ellipse([cx * S - r2, cy * S - r2, cx * S + r2, cy * S + r2], fill=0)
     else:
         md.polygon(poly, fill=255)
-    img.paste(_texture(S, style, COLOURS[colour], rng), (0, 0), mask)
-    img = img.resize((spec.image_size, spec.image_size), Image.LANCZOS)
-    caption = f"a {size} {colour} {style} {shape} at the {pos} on a {bg} background"
-    return img, caption, shape
+    img.paste(_texture(S, style, COLOURS[p["colour"]], p["jitter"]), (0, 0), mask)
+    img = img.resize((image_size, image_size), Image.LANCZOS)
+    caption = f"a {p['size']} {p['colour']} {style} {p['shape']} at the {p['pos']} on a {p['bg']} background"
+    return img, caption, p["shape"]
+
+
+def draw_sample(
+    spec: SynthSpec, dom: dict, rng: np.random.Generator
+) -> tuple[Image.Image, str, str]:
+    """One image with its caption and category (the shape name)."""
+    return render_sample(spec.image_size, plan_sample(spec, dom, rng))
+
+
+def _encoded(job: tuple[int, dict]) -> tuple[bytes, str, str]:
+    """Render + JPEG-encode one planned sample (runs in a builder process)."""
+    img, cap, cat = render_sample(*job)
+    return encode_jpeg(img), cap, cat
 
 
 SPLITS = ("train", "test", "val", "query", "gallery")
@@ -368,23 +408,36 @@ def _write_tasks(
     tasks_def: list[tuple[str, list[dict], dict[str, int]]],
     report: BuildReport,
     bar: tqdm,
+    pool: Pool | None = None,
 ) -> tuple[dict[str, TaskInfo], dict[str, EvalSet]]:
-    """Draw and write every split of every task; a task samples from one or several domains."""
+    """Draw and write every split of every task; a task samples from one or several domains.
+
+    Plans (every random draw) are made in order here; with a `pool` its processes render and
+    encode them, and the results come back in the same order, so the shards are the same bytes.
+    """
+
+    def jobs():
+        for t, (_, doms, counts) in enumerate(tasks_def):
+            for si, split in enumerate(SPLITS):
+                rng = np.random.default_rng(
+                    [spec.seed, t, si] if len(doms) == 1 else [spec.seed, 99, si]
+                )
+                for _ in range(counts.get(split, 0)):
+                    dom = doms[0] if len(doms) == 1 else doms[rng.integers(len(doms))]
+                    yield spec.image_size, plan_sample(spec, dom, rng)
+
+    results = pool.imap(_encoded, jobs(), chunksize=16) if pool else map(_encoded, jobs())
     tasks: dict[str, TaskInfo] = {}
     evals: dict[str, dict] = {sp: {} for sp in SPLITS[1:]}
-    for t, (name, doms, counts) in enumerate(tasks_def):
-        for si, split in enumerate(SPLITS):
-            rng = np.random.default_rng(
-                [spec.seed, t, si] if len(doms) == 1 else [spec.seed, 99, si]
-            )
+    for name, doms, counts in tasks_def:
+        for split in SPLITS:
             rel = f"train/{name}" if split == "train" else f"eval/{split}/{name}"
             sink = ShardSink(tmp, rel, maxcount=5000)
             for i in range(counts.get(split, 0)):
-                dom = doms[0] if len(doms) == 1 else doms[rng.integers(len(doms))]
-                img, cap, cat = draw_sample(spec, dom, rng)
+                jpg, cap, cat = next(results)
                 sid = f"{name}-{split}-{i:06d}"
                 meta = {"id": sid, "task": name, "category": cat, "source": "synthetic"}
-                sink.write(sid, encode_jpeg(img), cap, meta)
+                sink.write(sid, jpg, cap, meta)
                 report.read += 1
                 report.keep(split)
                 bar.update()
@@ -407,17 +460,32 @@ def _write_tasks(
 PRETRAIN_DIR = "pretrain"
 
 
+@contextmanager
+def _pool(processes: int) -> Iterator[Pool | None]:
+    """A process pool for rendering (None for one process); fork where the OS has it."""
+    if processes <= 1:
+        yield None
+        return
+    methods = mp.get_all_start_methods()
+    with mp.get_context("fork" if "fork" in methods else "spawn").Pool(processes) as pool:
+        yield pool
+
+
 def build_synthetic(
     out: str | Path,
     spec: SynthSpec,
     name: str | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    processes: int = 1,
 ) -> Manifest:
     """Write a synthetic stream folder (atomically) and return its manifest.
 
     With `spec.pretrain` > 0 the folder also holds the pretraining stream in `pretrain/`.
+    `processes` > 1 renders and encodes the images in that many processes: the same bytes.
     """
+    if processes < 1:
+        raise CvlError("--processes must be positive")
     for field_name in ("tasks", "per_task", "image_size"):
         if getattr(spec, field_name) <= 0:
             raise CvlError(f"--{field_name.replace('_', '-')} must be positive")
@@ -440,12 +508,13 @@ def build_synthetic(
         if spec.n_overlap()
         else "disjoint shapes and style per task; own background tint"
     )
-    with atomic_dir(out, overwrite=overwrite, kind="stream") as tmp:
+    with atomic_dir(out, overwrite=overwrite, kind="stream") as tmp, _pool(processes) as pool:
         bar = tqdm(total=total, desc="synthetic", unit="img", disable=not progress, leave=False)
-        tasks, eval_sets = _write_tasks(tmp, spec, defs, report, bar)
+        tasks, eval_sets = _write_tasks(tmp, spec, defs, report, bar, pool)
         if spec.pretrain:
             ptmp = tmp / PRETRAIN_DIR
-            ptasks, pevals = _write_tasks(ptmp, spec, [("pretrain", doms, pre)], BuildReport(), bar)
+            pdef = [("pretrain", doms, pre)]
+            ptasks, pevals = _write_tasks(ptmp, spec, pdef, BuildReport(), bar, pool)
             pm = Manifest(
                 name=f"{name or out.name}-pretrain",
                 source="synthetic",
@@ -555,10 +624,17 @@ def build_synthetic(
 )
 @click.option("--seed", default=0, show_default=True, help="Same seed -> byte-identical stream.")
 @click.option("--name", default=None, help="Stream name [folder name].")
+@click.option(
+    "--processes",
+    default=1,
+    show_default=True,
+    callback=positive,
+    help="Processes that draw and encode the images (the same bytes for any number).",
+)
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def synthetic_cmd(
-    out: str, name: str | None, overwrite: bool, quiet: bool, **kw: int | None
+    out: str, name: str | None, overwrite: bool, quiet: bool, processes: int, **kw: int | None
 ) -> None:
     """Procedurally drawn shapes with compositional captions, one domain per task.
 
@@ -575,5 +651,12 @@ def synthetic_cmd(
       cvl train --stream streams/s --init-run runs/clip0 --method modx --out runs/modx
     """
 
-    m = build_synthetic(out, SynthSpec(**kw), name=name, overwrite=overwrite, progress=not quiet)
+    m = build_synthetic(
+        out,
+        SynthSpec(**kw),
+        name=name,
+        overwrite=overwrite,
+        progress=not quiet,
+        processes=processes,
+    )
     echo_summary(m, out, quiet)

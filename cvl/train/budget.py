@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from cvl.dist import average_gradients
 from cvl.errors import CvlError
 from cvl.train.cost import (
     GIGA,
@@ -122,11 +123,15 @@ def _fork_rng(device: torch.device):  # noqa: ANN202
 
 def _first_batches(trainer: Any, ctx: Any, ds: Any, gb: int) -> list[dict]:
     """This rank's micro-batches of the task's first optimizer step (epoch 0)."""
+    from cvl.data.augment import device_images
     from cvl.data.reader import global_batches, make_loader, sample_seed
 
     cfg, acc = trainer.cfg, trainer.acc
     bs = global_batches(len(ds), gb, sample_seed(cfg.seed, ctx.task_index), 0)[: cfg.grad_accum]
-    return list(make_loader(ds, bs, acc.process_index, acc.num_processes, 0))
+    batches = list(make_loader(ds, bs, acc.process_index, acc.num_processes, 0))
+    for b in batches:  # images finished on the device once (the split transform's batched part)
+        b["image"] = device_images(b, ds.transform, acc.device)
+    return batches
 
 
 def _global(x: float, op: str, device: torch.device) -> float:
@@ -203,7 +208,7 @@ def probe_step(trainer: Any, ctx: Any, batches: list[dict]) -> dict[str, float]:
                     _, loss = trainer._micro(batch, ctx, model)
                     (loss / len(batches)).backward()
                 peak = peak_memory(dev)
-                trainer._update(ctx, opt, params, clip=torch.nn.utils.clip_grad_norm_)
+                trainer._update(ctx, opt, params, torch.nn.utils.clip_grad_norm_, average_gradients)
                 opt.zero_grad(set_to_none=True)
                 ctx.step += 1
                 method.after_step(ctx)

@@ -31,6 +31,7 @@ _OPTS = [
     "augment",
     "buffer",
     "buffer_size",
+    "tune",
     "workers",
     "checkpoint_every",
     "log_every",
@@ -144,12 +145,31 @@ _OPTS = [
 )
 @click.option("--buffer-size", type=int, default=0, help="Replay buffer capacity (pairs).")
 @click.option(
+    "--tune",
+    default="full",
+    show_default=True,
+    type=click.Choice(["full", "lora", "dora", "bitfit", "lnfit", "locked-image", "locked-text"]),
+    help="Which parameters train (any method): all; LoRA / DoRA adapters on the weights "
+    "(merged into them at each task end, so checkpoints stay plain full weights); biases only "
+    "(BitFit); normalisation layers only (LNFit); everything but the image / text tower (LiT).",
+)
+@click.option(
+    "--tune-arg",
+    "tune_arg",
+    multiple=True,
+    metavar="NAME=VALUE",
+    help="LoRA/DoRA: rank (8), alpha (8), targets (linear | attn | mlp | conv | name patterns, "
+    "joined with +); any mode: bn_stats=frozen|train (running statistics of frozen "
+    "BatchNorm layers). Repeatable.",
+)
+@click.option(
     "--workers",
     type=int,
     default=-1,
     show_default=True,
-    help="Loader worker processes per training process (decode + augment): -1 = auto from "
-    "the CPU count, 0 = in the training process.",
+    help="Loader worker processes per training process (decode + augment): -1 = auto: the "
+    "usable CPUs / the node's training processes - 1 (at least 1, no upper limit); 0 = in the "
+    "training process.",
 )
 @click.option(
     "--checkpoint-every",
@@ -232,6 +252,7 @@ _OPTS = [
 def train(
     ctx: click.Context,
     method_arg: tuple[str, ...],
+    tune_arg: tuple[str, ...],
     config_path: str | None,
     force: bool,
     quiet: bool,
@@ -256,5 +277,6 @@ def train(
         if ctx.get_parameter_source(k) not in (ParameterSource.DEFAULT, None) or config_path is None
     }
     overrides["method_args"] = parse_method_args(method_arg)
+    overrides["tune_args"] = parse_method_args(tune_arg, "--tune-arg", raw=True)
     cfg = resolve(config_path, overrides)
     Trainer(cfg, force=force, progress=not quiet).run()

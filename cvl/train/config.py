@@ -45,6 +45,8 @@ class TrainConfig:
     augment: str = "openclip"  # openclip | ctp | none
     buffer: str | None = None
     buffer_size: int = 0
+    tune: str = "full"  # which parameters train: cvl.models.tune.MODES (LoRA, BitFit, ...)
+    tune_args: dict[str, Any] = field(default_factory=dict)  # rank, alpha, targets, bn_stats
     workers: int = -1  # loader processes per training process: -1 = from the CPU count, 0 = none
     checkpoint_every: int = 50  # optimizer steps between mid-task checkpoints (0 = per task only)
     log_every: int = 10  # optimizer steps per train_log.jsonl line (each averages its steps)
@@ -91,6 +93,10 @@ class TrainConfig:
         parse_budget(self.budget)  # a clear error for a malformed spec
         if self.pretrained and self.init_run:
             raise CvlError("give --pretrained FILE or --init-run RUN, not both")
+        from cvl.models.tune import Tuning
+
+        tuning = Tuning(self.tune, self.tune_args)  # clear errors for unknown modes, arguments
+        self.tune_args = {k: tuning.args[k] for k in self.tune_args}  # typed: "16" -> 16
         if self.buffer and self.buffer_size <= 0:
             raise CvlError(f"--buffer {self.buffer} needs a positive --buffer-size")
         if self.buffer_size and not self.buffer:
@@ -148,10 +154,12 @@ def resolve(yaml_path: str | None, overrides: dict[str, Any]) -> TrainConfig:
     base: dict[str, Any] = {}
     if yaml_path:
         base = load_yaml(yaml_path)
-    margs = dict(base.get("method_args") or {})
-    margs.update(overrides.pop("method_args", None) or {})
+    merged = {}
+    for key in ("method_args", "tune_args"):  # NAME=VALUE maps: the CLI adds to the YAML's
+        merged[key] = dict(base.get(key) or {})
+        merged[key].update(overrides.pop(key, None) or {})
     base.update(overrides)
-    base["method_args"] = margs
+    base.update(merged)
     types = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
     cfg = TrainConfig()
     for k, v in base.items():
@@ -167,17 +175,23 @@ def resolve(yaml_path: str | None, overrides: dict[str, Any]) -> TrainConfig:
     return cfg.validate()
 
 
-def parse_method_args(items: tuple[str, ...]) -> dict[str, Any]:
-    """`k=v` strings (values parsed as YAML scalars: 1e-3, true, 20)."""
+def parse_method_args(
+    items: tuple[str, ...], option: str = "--method-arg", raw: bool = False
+) -> dict[str, Any]:
+    """`k=v` strings (values parsed as YAML scalars: 1e-3, true, 20; `raw`: kept as strings,
+    for values such as `*visual*` that YAML would misread, typed by their consumer)."""
     out = {}
     for it in items:
         if "=" not in it:
-            raise CvlError(f"--method-arg '{it}': expected NAME=VALUE")
+            raise CvlError(f"{option} '{it}': expected NAME=VALUE")
         k, v = it.split("=", 1)
+        if raw:
+            out[k.strip()] = v
+            continue
         try:
             out[k.strip()] = yaml.safe_load(v)
         except yaml.YAMLError as e:
-            raise CvlError(f"--method-arg '{it}': {str(e).splitlines()[0]}") from None
+            raise CvlError(f"{option} '{it}': {str(e).splitlines()[0]}") from None
     return out
 
 

@@ -34,6 +34,7 @@ import torch
 from tqdm import tqdm
 
 from cvl import __version__
+from cvl.data.augment import device_images, train_transform
 from cvl.data.reader import (
     PairDataset,
     default_workers,
@@ -44,7 +45,7 @@ from cvl.data.reader import (
 )
 from cvl.data.transforms import image_transform
 from cvl.device import nondeterministic_ops_stop
-from cvl.dist import average_gradients, broadcast_module, world_size
+from cvl.dist import GradReducer, broadcast_module, world_size
 from cvl.errors import CvlError
 from cvl.io import atomic_dir, read_json, recover_dir, write_json
 from cvl.methods.base import Method, TaskContext, frozen_copy
@@ -59,6 +60,7 @@ from cvl.train.selection import BestKeeper, selection_set, val_score
 
 LAST = "last"
 METHOD_STATE = "method_state"
+TUNE_STATE = "tune.safetensors"  # in last/: the adapters and base weights (--tune lora/dora)
 BEST_MODEL = "best_model.safetensors"  # in last/: the best-on-validation weights so far
 # A task stops when more than this share of its optimizer steps (and more than one) were
 # skipped for a non-finite loss, whatever --skip-nonfinite allows: it is no longer training.
@@ -241,6 +243,7 @@ class Trainer:
         self._forward = torch.compile(self.model) if cfg.compile else self.model
         self._entries: dict[str, list] = {}
         self._prev_cache: tuple[int, Any] | None = None
+        self._reducer = GradReducer()  # gradients averaged over ranks during the backward
 
     # -- setup -------------------------------------------------------------------------------
     @staticmethod
@@ -281,6 +284,7 @@ class Trainer:
             },
             "processes": self.acc.num_processes,
             "cost": summarize_run(self.out),
+            "tuning": self.tuning.summary(),
             "runtime": self._runtime(),
             "earlier_runtimes": getattr(self, "_earlier_runtimes", []),
         }
@@ -323,6 +327,10 @@ class Trainer:
         self._sync_batchnorm()
         self.model.to(self.acc.device)
         broadcast_module(self.model)
+        from cvl.models.tune import Tuning
+
+        self.tuning = Tuning(cfg.tune, cfg.tune_args)  # which parameters train (cvl.models.tune)
+        self.tuning.apply(self.model, self._tune_seed(0))
         rj = self.out / RUN_JSON
         history: list[dict[str, Any]] = []
         if rj.is_file():
@@ -358,6 +366,10 @@ class Trainer:
                 with atomic_dir(self.out / "init", overwrite=True) as tmp:
                     save_weights(self.model, tmp / MODEL_FILE)
         self.acc.wait_for_everyone()
+
+    def _tune_seed(self, ti: int) -> int:
+        """The seed of task `ti`'s fresh adapter (`--tune lora/dora`)."""
+        return sample_seed(int(self.cfg.seed), ti, 29)
 
     def _lock_run_dir(self) -> None:
         """Hold RUN's lock for the whole run (rank 0; every rank learns the outcome), then
@@ -582,10 +594,13 @@ class Trainer:
             st["buffer"] = ctx.buffer.state_dict()
         return st
 
-    def _micro(self, batch: dict, ctx: TaskContext, forward: Any) -> tuple[dict, torch.Tensor]:
-        """One micro-batch's forward and loss terms (batch moved to the device); (terms, sum)."""
+    def _micro(
+        self, batch: dict, ctx: TaskContext, forward: Any, transform: Any = None
+    ) -> tuple[dict, torch.Tensor]:
+        """One micro-batch's forward and loss terms (images finished on the device by the
+        split `transform`, or moved there as they are); (terms, sum)."""
         acc = self.acc
-        batch["image"] = batch["image"].to(acc.device, non_blocking=True)
+        batch["image"] = device_images(batch, transform, acc.device)
         batch["text"] = batch["text"].to(acc.device, non_blocking=True)
         with acc.autocast():
             out = forward(batch["image"], batch["text"])
@@ -594,10 +609,12 @@ class Trainer:
             raise CvlError(f"method '{self.cfg.method}' returned no loss terms")
         return terms, sum(terms.values())
 
-    def _update(self, ctx: TaskContext, opt: Any, params: list, clip: Any) -> Any:
-        """Gradients averaged over ranks, the method's `after_backward`, clipping (`clip`:
-        the accelerator's, or torch's for a probe) and the optimizer step; the grad norm."""
-        average_gradients(params)
+    def _update(self, ctx: TaskContext, opt: Any, params: list, clip: Any, reduce: Any) -> Any:
+        """Gradients averaged over ranks (`reduce`: the overlapped GradReducer's `finish`, or
+        `average_gradients` for a probe, which leaves the reducer untouched), the method's
+        `after_backward`, clipping (`clip`: the accelerator's, or torch's for a probe) and the
+        optimizer step; the grad norm."""
+        reduce(params)
         self.method.after_backward(ctx)
         gnorm = clip(params, self.cfg.grad_clip) if self.cfg.grad_clip > 0 else None
         opt.step()
@@ -620,6 +637,10 @@ class Trainer:
         last = self.out / LAST
         try:
             load_weights(self.model, last / MODEL_FILE)
+            if (last / TUNE_STATE).is_file():  # --tune lora/dora: the adapters and base weights
+                from safetensors.torch import load_file
+
+                self.tuning.load_state(self.model, load_file(str(last / TUNE_STATE)))
             opt.load_state_dict(load_torch(last / "optimizer.pt"))
             sched.load_state_dict(load_torch(last / "scheduler.pt"))
             self._restore_method_state(load_state(last, METHOD_STATE), ctx)
@@ -661,6 +682,7 @@ class Trainer:
         if not self.method.trains:
             self._finish_task(ti, ctx, [])
             return
+        self.tuning.begin_task(self.model, self._tune_seed(ti))
         with self.cost.extra("before_task", skip=ctx.resuming):  # counted before a resume
             self.method.before_task(ctx)
         sel = selection_set(self.manifest, name, cfg.select, self.method)
@@ -671,7 +693,7 @@ class Trainer:
         entries = self.method.task_entries(ctx)
         ds = PairDataset(
             entries,
-            transform=image_transform(self.model.image_size, train=True, augment=cfg.augment),
+            transform=train_transform(self.model.image_size, cfg.augment, acc.device),
             tokenize=self.model.tokenizer,
             skipped=Counter(self.skipped.get(name, {})),
             name=f"task {name}",
@@ -755,10 +777,12 @@ class Trainer:
                         sample_seed(cfg.seed, ti, epoch, ctx.step)
                     )
                     self.method.before_step(ctx)
-                terms, loss = self._micro(batch, ctx, self._forward)
+                terms, loss = self._micro(batch, ctx, self._forward, ds.transform)
                 if self._nonfinite(loss, terms, batch, ctx):
                     skip_step = True  # no backward; the whole optimizer step is skipped
                 else:
+                    last = micro + 1 == cfg.grad_accum and not skip_step
+                    self._reducer.prepare(self._params(), last)
                     acc.backward(loss / cfg.grad_accum)
                     window.add_micro(terms, ctx.metrics, cfg.grad_accum, batch)
                 ctx.metrics = {}
@@ -770,7 +794,9 @@ class Trainer:
                 gnorm = None
                 lr = opt.param_groups[0]["lr"]
                 if not skip_step:
-                    gnorm = self._update(ctx, opt, params, acc.clip_grad_norm_)
+                    gnorm = self._update(
+                        ctx, opt, params, acc.clip_grad_norm_, self._reducer.finish
+                    )
                 sched.step()
                 opt.zero_grad(set_to_none=True)
                 ctx.step += 1
@@ -804,6 +830,7 @@ class Trainer:
             self.acc.print(f"task {name}: keeping epoch {k.epoch + 1} (val Rm {k.score:.2f})")
         with self.cost.extra("after_task"):
             self.method.after_task(ctx)
+        self.tuning.end_task(self.model)  # LoRA/DoRA: merged, the checkpoint is plain weights
         if ctx.buffer is not None:
             with self.cost.extra("buffer_update"):
                 ctx.buffer.update(name, ctx.task_entries, ctx)
@@ -994,6 +1021,10 @@ class Trainer:
         if self.acc.is_main_process:
             with atomic_dir(self.out / LAST, overwrite=True) as tmp:
                 save_weights(self.model, tmp / MODEL_FILE)
+                if self.tuning.adapters:
+                    from safetensors.torch import save_file
+
+                    save_file(self.tuning.state(self.model), str(tmp / TUNE_STATE))
                 save_torch(tmp / "optimizer.pt", opt.state_dict())
                 save_torch(tmp / "scheduler.pt", sched.state_dict())
                 save_state(tmp, METHOD_STATE, state)
@@ -1044,6 +1075,7 @@ class Trainer:
                         "steps": ctx.step,
                         "train_items": len(ctx.task_entries),
                         "buffer_items": len(ctx.buffer) if ctx.buffer is not None else 0,
+                        "trainable_params": self.tuning.trainable,
                         "skipped": getattr(self, "skipped", {}).get(ctx.task_name, {}),
                         **self._fault_counts(),
                         "selection": (

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from cvl.data.reader import Entry, index_shard
+from cvl.device import to_device
 from cvl.errors import CvlError
 
 BUFFERS: dict[str, type] = {}
@@ -152,17 +153,17 @@ class Buffer:
             rows.append(p if p is not None else None)
         shape = next((r.shape for r in rows if r is not None), like.shape[1:])
         stacked = torch.stack([r if r is not None else torch.zeros(shape) for r in rows])
-        m = torch.tensor(mask, dtype=torch.bool, device=like.device)
-        return m, stacked.to(device=like.device, dtype=like.dtype)
+        m = to_device(torch.tensor(mask, dtype=torch.bool), like.device)  # no host sync
+        return m, to_device(stacked, like.device).to(like.dtype)
 
     def in_buffer(self, batch: dict[str, Any], device: Any = None) -> torch.Tensor:
         """Bool per batch row: the sample is one of the buffer's items (a replayed pair)."""
         kept = {r for refs in self.items.values() for r in refs}
-        return torch.tensor(
+        mask = torch.tensor(
             [self.ref_of(s, k) in kept for s, k in zip(batch["shard"], batch["key"])],
             dtype=torch.bool,
-            device=device,
         )
+        return mask if device is None else to_device(mask, device)  # no host sync
 
     #: selection needs features (k-means, herding): compute once on rank 0 and broadcast.
     rank0_only = True

@@ -1,0 +1,57 @@
+"""Task arithmetic (Ilharco et al., ICLR 2023, "Editing models with task arithmetic"): the
+deployed model adds the scaled sum of the task vectors to the pre-trained weights,
+
+    θ_t = θ_0 + λ·Σ_{i≤t} τ_i,      τ_i = θ̂_i − start_i.
+
+By default (`init=base`) every task trains from θ_0, so τ_i = θ̂_i − θ_0 is the paper's task
+vector (each task model fine-tuned from the pre-trained one) and θ_t adds those of the tasks
+seen so far. `init=merged` trains task t from θ_{t−1} and τ_t is the task's own update (then
+θ_t = θ_{t−1} + λ·τ_t). λ = `lam` = 0.4: the paper picks λ on held-out validation data (0 to 1
+in steps of 0.05); 0.4 is the task-arithmetic example value of the TIES-Merging authors'
+code (prateeky2806/ties-merging, `ties_minimal.ipynb`). Only the
+running sum Σ τ_i is kept (one copy of the trained weights, CPU in the checkpoint). Wraps a
+base method (`base=NAME`, default seqft), see `cvl.methods.merging`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from cvl.methods.base import TaskContext
+from cvl.methods.merging import MergeMethod, Weights, clone_weights
+from cvl.methods.registry import register
+
+
+def task_arithmetic(initial: Weights, tau_sum: Weights, lam: float) -> Weights:
+    """θ_0 + λ·Σ τ, by name."""
+    return {k: v + lam * tau_sum[k].to(v.device, v.dtype) for k, v in initial.items()}
+
+
+@register("task_arith")
+class TaskArithmetic(MergeMethod):
+    """Task arithmetic: θ_t = θ_0 + λ·Σ τ_i, each task trained from θ_0 (Ilharco et al. 2023)."""
+
+    defaults = {"base": "seqft", "lam": 0.4, "init": "base"}
+
+    def __init__(self, args: dict[str, Any] | None = None) -> None:
+        super().__init__(args)
+        self.tau_sum: Weights | None = None
+
+    def deploy(self, ctx: TaskContext, tuned: Weights) -> Weights:
+        tau = self.task_vector(tuned)
+        if self.tau_sum is None:
+            self.tau_sum = tau
+        else:
+            with torch.no_grad():
+                for k, v in tau.items():
+                    self.tau_sum[k] = self.tau_sum[k].to(v.device) + v
+        return task_arithmetic(self.initial(ctx), self.tau_sum, self.args["lam"])
+
+    def merge_state(self) -> dict[str, Any]:
+        return {"tau_sum": dict(self.tau_sum)} if self.tau_sum is not None else {}
+
+    def load_merge_state(self, state: dict[str, Any]) -> None:
+        if "tau_sum" in state:
+            self.tau_sum = clone_weights(state["tau_sum"])

@@ -1,0 +1,88 @@
+"""TIES-Merging (Yadav et al., NeurIPS 2023, "Resolving interference when merging models"):
+the task vectors τ_i = θ̂_i − start_i are merged in three steps, and θ_t = θ_0 + λ·τ_m:
+
+1. **Trim**: each τ_i keeps its top-k entries by magnitude (k = `k` = 20 %), the others
+   become 0; as the authors' code `topk_values_mask`: over all d entries of the vector at
+   once, keeping every |x| ≥ the (d − ⌊d·k⌋)-th smallest |x| (⌊d·k⌋ + 1 entries if no ties);
+2. **Elect**: the sign of each entry is the sign of the sum of the trimmed vectors ("mass");
+   entries whose sum is 0 take the majority sign (the sign of the sum of the elected signs,
+   the code's `resolve_zero_signs`);
+3. **Disjoint mean**: τ_m = mean of the trimmed entries that agree with the elected sign
+   (entries with no agreeing vector stay 0).
+
+λ = `lam` = 1 and the rest are the authors' code's example (prateeky2806/ties-merging,
+`ties_minimal.ipynb`: K = 20, elect "mass", "dis-mean", lamda = 1; the paper tunes λ on
+validation data). In the stream: with `init=base` (default) every task trains from θ_0 and after task t the vectors of tasks 0..t
+are merged; the trimmed vectors are kept (t + 1 copies of the trained weights, CPU in the
+checkpoint: memory grows with the stream). Wraps a base method (`base=NAME`, default seqft),
+see `cvl.methods.merging`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from cvl.errors import CvlError
+from cvl.methods.base import TaskContext
+from cvl.methods.merging import MergeMethod, Weights, clone_weights
+from cvl.methods.registry import register
+
+
+@torch.no_grad()
+def trim_top_k(tau: Weights, k: float) -> Weights:
+    """τ with all but its top-k fraction of entries (by |value|, over all tensors) set to 0."""
+    if k >= 1.0:
+        return dict(tau)
+    flat = torch.cat([v.detach().abs().flatten().float().cpu() for v in tau.values()])
+    d = flat.numel()
+    kth = flat.kthvalue(max(1, d - int(d * k))).values  # the code's k = d − int(d·K)
+    return {n: v * (v.abs() >= kth.to(v.device, v.dtype)) for n, v in tau.items()}
+
+
+@torch.no_grad()
+def ties_merge(trimmed: list[Weights]) -> Weights:
+    """Elect signs by mass, then the disjoint mean of the agreeing entries (TIES steps 2–3)."""
+    names = list(trimmed[0])
+    total = {n: sum(t[n] for t in trimmed) for n in names}
+    elected = {n: torch.sign(total[n]) for n in names}
+    majority = torch.sign(sum(e.sum() for e in elected.values()))
+    out = {}
+    for n in names:
+        sign = torch.where(elected[n] == 0, majority, elected[n])
+        stack = torch.stack([t[n] for t in trimmed])
+        keep = torch.where(sign > 0, stack > 0, stack < 0)
+        picked = stack * keep
+        out[n] = picked.sum(0) / keep.sum(0).clamp(min=1).to(picked.dtype)
+    return out
+
+
+@register("ties")
+class TIES(MergeMethod):
+    """TIES-Merging: trim top 20 %, elect signs by mass, disjoint mean; θ_0 + λ·τ_m (λ = 1)."""
+
+    defaults = {"base": "seqft", "k": 0.2, "lam": 1.0, "init": "base"}
+
+    def __init__(self, args: dict[str, Any] | None = None) -> None:
+        super().__init__(args)
+        if not 0.0 < self.args["k"] <= 1.0:
+            raise CvlError(f"method 'ties': k must be in (0, 1] (got {self.args['k']})")
+        self.trimmed: list[Weights] = []
+
+    def deploy(self, ctx: TaskContext, tuned: Weights) -> Weights:
+        self.trimmed.append(
+            clone_weights(trim_top_k(self.task_vector(tuned), self.args["k"]), "cpu")
+        )
+        initial = self.initial(ctx)
+        dev = next(iter(initial.values())).device
+        merged = ties_merge([clone_weights(t, dev) for t in self.trimmed])
+        lam = self.args["lam"]
+        return {k: v + lam * merged[k].to(v.dtype) for k, v in initial.items()}
+
+    def merge_state(self) -> dict[str, Any]:
+        return {"trimmed": [dict(t) for t in self.trimmed]} if self.trimmed else {}
+
+    def load_merge_state(self, state: dict[str, Any]) -> None:
+        if "trimmed" in state:
+            self.trimmed = [dict(t) for t in state["trimmed"]]

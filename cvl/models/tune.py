@@ -1,0 +1,427 @@
+"""Parameter-efficient tuning (`cvl train --tune MODE`): which parameters train, and adapters.
+
+Modes (orthogonal to the method, as `--buffer` is):
+
+- `full`: every parameter trains (the default; nothing here changes the model).
+- `lora` (Hu et al. 2022): each target weight W (frozen) becomes W + (α/r)·B·A, A ∈ R^{r×fan_in}
+  (Kaiming-uniform, as `nn.Linear` and peft initialise it), B ∈ R^{out×r} = 0; only A and B
+  train. Defaults r = 8, α = 8 (peft's `LoraConfig`), targets `linear`.
+- `dora` (Liu et al. 2024): W' = m ⊙ V/‖V‖ with V = W + (α/r)·B·A, ‖·‖ the norm of each output
+  row (peft's layout), m (one scale per output row, initialised to ‖W‖) trains with A and B;
+  ‖V‖ is detached from the gradient (DoRA §4.3, as peft does).
+- `bitfit` (Zaken et al. 2022): only the biases train (every parameter named `*bias`,
+  including MultiheadAttention's `in_proj_bias` and norm layers' biases).
+- `lnfit`: only the normalisation layers' affine parameters train (LayerNorm, and the
+  BatchNorm / GroupNorm of ResNet towers), as FoMo-in-Flux's LNFit.
+- `locked-image` / `locked-text`: the image (text) tower is frozen, everything else trains
+  (LiT, Zhai et al. 2022; open_clip's `--lock-image` / `--lock-text`). The towers are the
+  model's `towers()`; the fusion model's cross-attention layers and MLM head are neither, they
+  train in both (its MLM decoder is tied to the word embeddings, so it is frozen with them).
+
+In every mode but `full` the logit scale is frozen unless a locked tower mode keeps it (LiT
+trains it), and BatchNorm layers none of whose parameters train keep their running statistics
+(they run in eval mode; `--tune-arg bn_stats=train` lets them update, open_clip's default for a
+locked tower).
+
+**Adapters** (`lora`, `dora`) are `torch.nn.utils.parametrize` parametrizations of the weight
+tensors, so they work on any Parameter however the module reads it: open_clip's fused
+`in_proj_weight` of `nn.MultiheadAttention` (read inside `F.multi_head_attention_forward`),
+the attention-pool projections its ResNet tower passes to that function, timm's and the fusion
+BERT's `nn.Linear` weights, convolutions (`targets=conv`: ΔW = (B·A) reshaped, peft's conv
+LoRA). peft wraps modules instead and misses weights read directly (the two cases above).
+Targets: `linear` (every `nn.Linear` weight and MultiheadAttention in-projection), `attn` /
+`mlp` (those whose name contains `attn`/`attention`, or not), `conv`, or shell patterns over
+parameter names (`targets=*visual*in_proj_weight`); several joined with `+`. Tied weights
+(the fusion MLM decoder) and embeddings are never adapted. No LoRA dropout: a
+parametrization acts on the weight, not on the layer input (peft's `lora_dropout`).
+
+**Per task**: each task starts with a fresh adapter (A drawn from the run seed and the task
+index, B = 0, m = ‖W‖, so the model computes exactly its start weights) and ends with the
+adapter merged into W (W ← W', then the adapter's delta is zero again). Checkpoints therefore
+always hold the plain merged weights under the model's own key names (`cvl.models.save_weights`
+writes the effective weights of an adapted model), so `cvl eval`, analysis and `cvl export`
+are unchanged; the mid-task checkpoint adds `tune.safetensors` (adapters and base weights) for
+an exact resume. Methods see the parametrised model: their importance, anchors and path
+integrals cover its trainable parameters (the adapters; IncCLIP's weight-norm clipping and
+DHA's blending act on them too); frozen copies (`frozen_copy`: old,
+reference and teacher models) are plain merged copies; weight-space methods (WiSE, the
+merges, ZSCL's weight ensemble) read and write the effective weights (`effective_state`,
+`assign_`), restricted to the tensors the mode trains (`trained_names`).
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import math
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from cvl.errors import CvlError
+
+MODES = ("full", "lora", "dora", "bitfit", "lnfit", "locked-image", "locked-text")
+ADAPTER_MODES = ("lora", "dora")
+DEFAULT_ARGS: dict[str, Any] = {"rank": 8, "alpha": 8.0, "targets": "linear", "bn_stats": "frozen"}
+_ADAPTER_ARGS = ("rank", "alpha", "targets")
+_PARAM = ".parametrizations."
+_TRAINED_ATTR = "_cvl_trained_names"
+_NORMS = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm)
+
+
+def _row_norm(w: torch.Tensor) -> torch.Tensor:
+    """‖row‖ of each output row (dim 0) over all other dims, as a column for broadcasting."""
+    n = torch.linalg.vector_norm(w.flatten(1), dim=1)
+    return n.view(-1, *([1] * (w.ndim - 1)))
+
+
+class Adapter(nn.Module):
+    """LoRA (and DoRA's magnitude) as a parametrization: W ↦ W + s·B·A (then m ⊙ V/‖V‖)."""
+
+    def __init__(self, weight: torch.Tensor, rank: int, alpha: float, dora: bool) -> None:
+        super().__init__()
+        out, fan_in = weight.shape[0], math.prod(weight.shape[1:])
+        kw = {"device": weight.device, "dtype": weight.dtype}
+        self.lora_A = nn.Parameter(torch.zeros(rank, fan_in, **kw))
+        self.lora_B = nn.Parameter(torch.zeros(out, rank, **kw))
+        self.dora = dora
+        if dora:
+            self.magnitude = nn.Parameter(_row_norm(weight.detach()).reshape(-1).clone())
+        self.scale = float(alpha) / rank
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        v = w + (self.lora_B @ self.lora_A).view_as(w) * self.scale
+        if not self.dora:
+            return v
+        # ‖V‖ detached (DoRA §4.3); with B = 0 and m = ‖W‖ this returns W exactly (x/x = 1)
+        norm = _row_norm(v).detach().clamp_min(1e-12)
+        return v * (self.magnitude.view_as(norm) / norm)
+
+    @torch.no_grad()
+    def zero_(self, w: torch.Tensor) -> None:
+        """No delta: B = 0 (and m = ‖W‖), so the parametrized weight is `w` exactly."""
+        self.lora_B.zero_()
+        if self.dora:
+            self.magnitude.copy_(_row_norm(w).reshape(-1))
+
+    @torch.no_grad()
+    def reset_(self, w: torch.Tensor, generator: torch.Generator) -> None:
+        """A fresh adapter: A Kaiming-uniform (a = √5, nn.Linear's and peft's) from `generator`."""
+        a = torch.empty(self.lora_A.shape, dtype=torch.float32)
+        nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+        self.lora_A.copy_(a)
+        self.zero_(w)
+
+
+# -- reading and writing the weights of a model that may carry adapters -------------------------
+
+
+def adapted(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
+    """(plain name, owning module, tensor name) of every weight carrying an `Adapter`."""
+    out = []
+    for mname, m in model.named_modules():
+        if not parametrize.is_parametrized(m):
+            continue
+        for tname, plist in m.parametrizations.items():
+            if any(isinstance(p, Adapter) for p in plist):
+                out.append((f"{mname}.{tname}" if mname else tname, m, tname))
+    return out
+
+
+def has_adapters(model: nn.Module) -> bool:
+    return any(parametrize.is_parametrized(m) for m in model.modules())
+
+
+def plain_name(key: str) -> str | None:
+    """A state-dict key of a parametrised model as the plain model names it; None for adapter
+    tensors (`a.parametrizations.w.original` → `a.w`; `a.parametrizations.w.0.lora_A` → None)."""
+    if _PARAM not in key:
+        return key
+    head, _, rest = key.partition(_PARAM)
+    name, _, tail = rest.partition(".")
+    return f"{head}.{name}" if tail == "original" else None
+
+
+def _adapters_of(module: nn.Module, tname: str) -> list[Adapter]:
+    return [p for p in module.parametrizations[tname] if isinstance(p, Adapter)]
+
+
+@torch.no_grad()
+def merge_adapters(model: nn.Module) -> None:
+    """W ← W' for every adapted weight, then zero the adapters' delta (same function, plain W)."""
+    for _, m, t in adapted(model):
+        plist = m.parametrizations[t]
+        plist.original.copy_(getattr(m, t))
+        for a in _adapters_of(m, t):
+            a.zero_(plist.original)
+
+
+def effective_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict under plain names, adapted weights as they compute now (detached;
+    the other entries are the live tensors, detached)."""
+    out = {}
+    eff = {name: (m, t) for name, m, t in adapted(model)}
+    for k, v in model.state_dict(keep_vars=True).items():
+        n = plain_name(k)
+        if n is None:
+            continue
+        if n in eff:
+            m, t = eff[n]
+            with torch.no_grad():
+                out[n] = getattr(m, t).detach()
+        else:
+            out[n] = v.detach()
+    return out
+
+
+def live_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Plain name → the live tensor that holds it (adapted weights: their base `original`)."""
+    return {n: v for k, v in model.state_dict(keep_vars=True).items() if (n := plain_name(k))}
+
+
+@torch.no_grad()
+def assign_(model: nn.Module, state: Mapping[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+    """Copy `state` (plain names) into the model; adapted weights get it as their base and a zero
+    delta, so the model computes exactly `state`. Returns (missing, unexpected) names; a name
+    missing only because it shares its tensor with one given (tied weights) is not missing."""
+    live = live_state(model)
+    unexpected = sorted(set(state) - set(live))
+    given = {live[k].data_ptr() for k in state if k in live}
+    missing = sorted(k for k in live if k not in state and live[k].data_ptr() not in given)
+    for k, v in state.items():
+        if k in live:
+            live[k].copy_(v)
+    for _, m, t in adapted(model):
+        for a in _adapters_of(m, t):
+            a.zero_(m.parametrizations[t].original)
+    return missing, unexpected
+
+
+def plain_copy(model: nn.Module) -> nn.Module:
+    """A deep copy with every adapter merged away (plain modules, plain state-dict names).
+
+    Not `parametrize.remove_parametrizations` on the copy: a deep copy shares the generated
+    `Parametrized<Module>` class with the original, and removal deletes the property from
+    that class, so the original would lose its weights. The copy's modules get their plain
+    class back instead.
+    """
+    m = copy.deepcopy(model)
+    for mod in m.modules():
+        if not parametrize.is_parametrized(mod):
+            continue
+        with torch.no_grad():
+            vals = {t: getattr(mod, t).detach().clone() for t in mod.parametrizations}
+        grads = {t: mod.parametrizations[t].original.requires_grad for t in vals}
+        del mod._modules["parametrizations"]
+        mod.__class__ = mod.__class__.__bases__[0]  # the class parametrize derived from
+        for t, v in vals.items():
+            mod.register_parameter(t, nn.Parameter(v, requires_grad=grads[t]))
+    return m
+
+
+def trained_names(model: nn.Module) -> frozenset[str] | None:
+    """Plain names of the tensors the tuning mode changes (None: all, `--tune full`)."""
+    return getattr(model, _TRAINED_ATTR, None)
+
+
+def dedupe_shared(sd: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Keep one name per shared tensor (the first in sorted order, as safetensors' `save_model`
+    does); returns (kept tensors, {dropped name: kept name})."""
+    kept: dict[str, torch.Tensor] = {}
+    seen: dict[tuple, str] = {}
+    dropped: dict[str, str] = {}
+    for k in sorted(sd):
+        v = sd[k]
+        key = (v.device, v.data_ptr(), tuple(v.shape), tuple(v.stride()))
+        if v.numel() and key in seen:
+            dropped[k] = seen[key]
+            continue
+        seen[key] = k
+        kept[k] = v.detach().contiguous()
+    return kept, dropped
+
+
+# -- the tuning of a run --------------------------------------------------------------------------
+
+
+def _names_of(kind: str, model: nn.Module) -> set[str]:
+    """Candidate weights for adapters of one `targets` kind."""
+    lin, conv = set(), set()
+    for mname, m in model.named_modules():
+        pre = f"{mname}." if mname else ""
+        if isinstance(m, nn.Linear):
+            lin.add(pre + "weight")
+        elif isinstance(m, nn.MultiheadAttention):
+            for t in ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight"):
+                if getattr(m, t, None) is not None:
+                    lin.add(pre + t)
+        elif isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+            conv.add(pre + "weight")
+    attn = {n for n in lin if re.search(r"attn|attention", n)}
+    return {"linear": lin, "attn": attn, "mlp": lin - attn, "conv": conv}.get(kind, set())
+
+
+class Tuning:
+    """One run's `--tune` mode and `--tune-arg`s; applies itself to the training model."""
+
+    def __init__(self, mode: str = "full", args: Mapping[str, Any] | None = None) -> None:
+        if mode not in MODES:
+            raise CvlError(f"--tune must be one of {', '.join(MODES)} (got '{mode}')")
+        self.mode = mode
+        self.args = dict(DEFAULT_ARGS)
+        for k, v in (args or {}).items():
+            if k not in DEFAULT_ARGS:
+                raise CvlError(f"--tune-arg {k}: unknown (known: {', '.join(DEFAULT_ARGS)})")
+            if k in _ADAPTER_ARGS and mode not in ADAPTER_MODES:
+                raise CvlError(f"--tune-arg {k} applies to --tune lora or dora, not '{mode}'")
+            d = DEFAULT_ARGS[k]
+            try:
+                self.args[k] = type(d)(v)
+            except (TypeError, ValueError):
+                raise CvlError(f"--tune-arg {k}={v!r} is not a {type(d).__name__}") from None
+        if self.args["rank"] < 1:
+            raise CvlError(f"--tune-arg rank must be >= 1 (got {self.args['rank']})")
+        if self.args["bn_stats"] not in ("frozen", "train"):
+            raise CvlError("--tune-arg bn_stats must be 'frozen' or 'train'")
+        self.trainable = 0
+        self.total = 0
+
+    @property
+    def adapters(self) -> bool:
+        return self.mode in ADAPTER_MODES
+
+    # -- which parameters train -------------------------------------------------------------------
+    def _targets(self, model: nn.Module) -> list[str]:
+        params = dict(model.named_parameters())
+        names_of: dict[int, list[str]] = {}
+        for n, p in model.named_parameters(remove_duplicate=False):
+            names_of.setdefault(id(p), []).append(n)
+        tied = {n for ns in names_of.values() if len(ns) > 1 for n in ns}
+        out: set[str] = set()
+        for spec in self.args["targets"].split("+"):
+            spec = spec.strip()
+            if any(c in spec for c in "*?["):
+                pool = _names_of("linear", model) | _names_of("conv", model)
+                out |= {n for n in pool if fnmatch.fnmatchcase(n, spec)}
+            elif spec in ("linear", "attn", "mlp", "conv"):
+                out |= _names_of(spec, model)
+            else:
+                raise CvlError(
+                    f"--tune-arg targets: '{spec}' is not linear, attn, mlp, conv or a pattern"
+                )
+        out = {n for n in out if n in params and n not in tied}
+        if not out:
+            raise CvlError(f"--tune-arg targets={self.args['targets']} matches no weight")
+        return sorted(out)
+
+    def _keeps(self, name: str, module: nn.Module, towers: dict[str, tuple[str, ...]]) -> bool:
+        """Whether a (non-adapter) parameter trains in this mode."""
+        if self.mode == "bitfit":
+            return name.endswith("bias")
+        if self.mode == "lnfit":
+            return isinstance(module, _NORMS)
+        if self.mode in ("locked-image", "locked-text"):
+            tower = towers["image" if self.mode == "locked-image" else "text"]
+            return not name.startswith(tower)
+        return False  # lora, dora: only the adapters
+
+    def apply(self, model: nn.Module, seed: int) -> None:
+        """Freeze what the mode does not train, attach the adapters (drawn from `seed`, the
+        first task's), freeze BatchNorm statistics of frozen layers; records what trains."""
+        self.total = sum(p.numel() for p in model.parameters())
+        if self.mode == "full":
+            self.trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            return
+        towers = model.towers() if self.mode.startswith("locked-") else {}
+        owner = {
+            f"{mn}.{pn}" if mn else pn: m
+            for mn, m in model.named_modules()
+            for pn, _ in m.named_parameters(recurse=False)
+        }
+        trained: set[str] = set()
+        for n, p in model.named_parameters():
+            keep = self._keeps(n, owner[n], towers)
+            p.requires_grad_(keep)
+            if keep:
+                trained.add(n)
+        if self.adapters:
+            mods = dict(model.named_modules())
+            for n in self._targets(model):
+                mname, _, t = n.rpartition(".")
+                m = mods[mname]
+                w = getattr(m, t)
+                a = Adapter(w, int(self.args["rank"]), self.args["alpha"], self.mode == "dora")
+                parametrize.register_parametrization(m, t, a)
+                m.parametrizations[t].original.requires_grad_(False)
+                trained.add(n)
+            self.begin_task(model, seed)
+        for mname, m in model.named_modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                pre = f"{mname}." if mname else ""
+                if any(p.requires_grad for p in m.parameters(recurse=False)) or (
+                    self.args["bn_stats"] == "train"
+                ):
+                    trained |= {pre + b for b in ("running_mean", "running_var")}
+                else:
+                    m.register_forward_pre_hook(_eval_mode)
+        setattr(model, _TRAINED_ATTR, frozenset(trained))
+        self.trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+    # -- task boundaries --------------------------------------------------------------------------
+    @torch.no_grad()
+    def begin_task(self, model: nn.Module, seed: int) -> None:
+        """A fresh adapter for the task (anything not yet merged is merged first)."""
+        if not self.adapters:
+            return
+        merge_adapters(model)
+        g = torch.Generator().manual_seed(int(seed))
+        for _, m, t in adapted(model):
+            for a in _adapters_of(m, t):
+                a.reset_(m.parametrizations[t].original, g)
+
+    def end_task(self, model: nn.Module) -> None:
+        """Merge the task's adapter into the weights (checkpoints hold plain merged weights)."""
+        if self.adapters:
+            merge_adapters(model)
+
+    # -- the mid-task checkpoint --------------------------------------------------------------------
+    def state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Adapters and base weights (the parametrised tensors; CPU copies), for an exact resume."""
+        sd = model.state_dict()
+        return {
+            k: v.detach().to("cpu", copy=True).contiguous() for k, v in sd.items() if _PARAM in k
+        }
+
+    @torch.no_grad()
+    def load_state(self, model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+        mine = {k: v for k, v in model.state_dict(keep_vars=True).items() if _PARAM in k}
+        if set(mine) != set(state):
+            raise CvlError(
+                "the mid-task checkpoint's adapters do not match this run's --tune "
+                f"({len(state)} saved tensors, {len(mine)} expected)"
+            )
+        for k, v in state.items():
+            mine[k].copy_(v)
+
+    def summary(self) -> dict[str, Any]:
+        """What run.json and `cvl info` show."""
+        return {
+            "mode": self.mode,
+            "args": {
+                k: v
+                for k, v in self.args.items()
+                if self.mode != "full" and (self.adapters or k not in _ADAPTER_ARGS)
+            },
+            "trainable_params": self.trainable,
+            "total_params": self.total,
+            "trainable_share": self.trainable / self.total if self.total else 0.0,
+        }
+
+
+def _eval_mode(module: nn.Module, _args: Any) -> None:
+    """Forward pre-hook of a frozen BatchNorm: normalise with (and keep) running statistics."""
+    module.training = False

@@ -201,6 +201,17 @@ def test_every_buffer_trains_under_a_budget_as_without(method, buffer, tiny, tmp
     assert_same_run_but_budget(tmp_path / "plain", tmp_path / "budget")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("tune", ["lora", "dora", "bitfit", "locked-image"])
+def test_tuned_runs_train_under_a_budget_as_without(tune, tiny, tmp_path):
+    """The same with --tune: the probe's step trains the task's fresh adapters (or the
+    unfrozen parameters) and is undone with them."""
+    extra = ["--tune", tune]
+    cli(train_argv(tiny, tmp_path / "plain", "lwf") + extra)
+    cli(train_argv(tiny, tmp_path / "budget", "lwf") + extra + ["--budget", "tflops=1000"])
+    assert_same_run_but_budget(tmp_path / "plain", tmp_path / "budget")
+
+
 def assert_same_run_but_budget(a, b) -> None:
     """`assert_same_run`, with task.json's budget record and the step's source set aside."""
     import reliability_helpers as rh

@@ -202,7 +202,7 @@ def reduce_values(values: list[float], op: str, device: torch.device) -> list[fl
         return list(values)
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist_op = torch.distributed.ReduceOp.SUM if op == "sum" else torch.distributed.ReduceOp.MAX
-    torch.distributed.allreduce_values(t, op=dist_op)
+    torch.distributed.all_reduce(t, op=dist_op)
     return t.tolist()
 
 

@@ -15,7 +15,8 @@ from cvl.cli import main
 from cvl.errors import CvlError
 from cvl.runs import finished_tasks, load_run
 from cvl.train.config import resolve
-from cvl.train.loop import Trainer, cosine_schedule
+from cvl.train.loop import Trainer
+from cvl.train.optim import cosine_schedule
 
 
 def _train(stream, out, force=False, **kw):
@@ -234,7 +235,7 @@ def test_lamb_optimizer_step_by_hand():
     b -= lr · 1. AdamW would give w = [2.75, 3.9]."""
     from types import SimpleNamespace
 
-    from cvl.train.loop import optimizer_with_schedule
+    from cvl.train.optim import optimizer_with_schedule
 
     w = torch.nn.Parameter(torch.tensor([[3.0, 4.0]]))
     b = torch.nn.Parameter(torch.tensor([2.0]))

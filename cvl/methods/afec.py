@@ -79,7 +79,7 @@ class AFEC(EWC):
         """The expanded model's AdamW + schedule (needs `ctx.steps_in_task`, known from the
         first step on); a state loaded on resume is applied here."""
         if self.exp_opt is None:
-            from cvl.train.loop import optimizer_with_schedule  # built like the loop's optimizer
+            from cvl.train.optim import optimizer_with_schedule  # built like the loop's optimizer
 
             params = [p for _, p in trainable(self.expanded)]
             self.exp_opt, self.exp_sched = optimizer_with_schedule(

@@ -180,7 +180,7 @@ def probe_step(trainer: Any, ctx: Any, batches: list[dict]) -> dict[str, float]:
     undone (module doc). Uses the eager model also with `--compile`."""
     from cvl.data.reader import sample_seed
     from cvl.train.checkpoint import state_copy
-    from cvl.train.loop import optimizer_with_schedule, seed_torch
+    from cvl.train.optim import optimizer_with_schedule, seed_torch
 
     cfg, acc, dev = trainer.cfg, trainer.acc, trainer.acc.device
     model, method, tracker = trainer.model, trainer.method, trainer.cost

@@ -203,7 +203,7 @@ def test_resumed_task_keeps_its_counted_step(synth_stream, tmp_path, monkeypatch
 def test_compare_has_cost_columns_and_a_compute_plot(synth_stream, tmp_path):
     """`write_compare`: total TFLOPs, peak memory and device-hours of each run (from its
     task.json files), '–' for a run trained before cost was recorded, and Rm against compute."""
-    from cvl.evaluation.report import compare_table, write_compare
+    from cvl.evaluation.comparison import compare_table, write_compare
 
     train_run(synth_stream, tmp_path / "a", FAST, max_steps_per_task=1)
     train_run(synth_stream, tmp_path / "b", FAST, method="lwf", max_steps_per_task=1)

@@ -195,8 +195,9 @@ def eval_cmd(
       cvl eval --compare runs/seqft runs/er runs/ctp
     """
     from cvl.device import determinism, model_runner
+    from cvl.evaluation.comparison import render_compare, write_compare
     from cvl.evaluation.imagestore import ImageStore
-    from cvl.evaluation.report import render_compare, render_markdown, write_compare, write_outputs
+    from cvl.evaluation.report import render_markdown, write_outputs
     from cvl.evaluation.runner import EvalOptions, evaluate_run
 
     opts = EvalOptions(

@@ -78,6 +78,14 @@ def describe_run(path: Path) -> list[str]:
         )
         if faults:
             lines.append(f"  {d}: " + ", ".join(f"{k} {v}" for k, v in sorted(faults.items())))
+        lines += _cost_lines(d, t)
+    if done:
+        from cvl.train.cost import describe, summarize_run
+
+        total = summarize_run(path)
+        if total["tasks"]:
+            lines.append(f"cost of the {total['tasks']} task(s): {describe(total)}")
+            lines.append(f"  memory: {total['memory_measure']}")
     for ch in run.get("changes") or []:  # config changes made with --force
         fields = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in ch.get("fields", {}).items())
         lines.append(
@@ -98,6 +106,23 @@ def describe_run(path: Path) -> list[str]:
     if (path / "eval" / "metrics.json").is_file():
         lines.append(f"evaluated: {path / 'eval' / 'metrics.json'}")
     return lines
+
+
+def _cost_lines(name: str, t: dict) -> list[str]:
+    """A finished task's cost (and budget) from its task.json (cvl.train.cost)."""
+    from cvl.train.cost import describe
+
+    out = []
+    if t.get("cost"):
+        out.append(f"  {name} cost: {describe(t['cost'])}")
+    b = t.get("budget")
+    if b:
+        capped = f" (capped by --epochs: the budget buys {b['steps']})" if b.get("capped") else ""
+        out.append(
+            f"  {name} budget {b['spec']}: share {b['share']:.4g}, {b['cost_per_step']:.4g} per "
+            f"step -> {b['steps_trained']} steps{capped}"
+        )
+    return out
 
 
 @click.command("info")

@@ -5,10 +5,13 @@ runs/RUN/
                                  "model": model.config(), "stream": {path, name, task_order,
                                  fingerprint}, "versions": {...}, "processes": N,
                                  "runtime": {device, deterministic, deterministic_source},
-                                 "earlier_runtimes": [earlier sessions' runtimes that differ]}
+                                 "earlier_runtimes": [earlier sessions' runtimes that differ],
+                                 "cost": totals over the finished tasks (cvl.train.cost)}
   tasks/NN-<task>/model.safetensors      weights after task NN (safetensors, no pickle)
   tasks/NN-<task>/method_state.safetensors (+ method_state.json)
   tasks/NN-<task>/train_log.jsonl
+  tasks/NN-<task>/task.json     steps, items, faults, selection, "cost" (FLOPs, memory, time,
+                                samples: cvl.train.cost), "budget" (--budget: cvl.train.budget)
   last/                         mid-task checkpoint for resume
   eval/  analysis/              written by `cvl eval` / `cvl analyze`
 """

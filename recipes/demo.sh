@@ -13,6 +13,8 @@
 #        `cvl methods` name, er, dha-dagger, NAME+MODE for `--tune MODE` (seqft+lora);
 #        SEED=N; sizes PER_TASK=250 pairs per task,
 #        PRETRAIN=1500 pretraining pairs, TEST=100 test pairs per task;
+#        BUDGET=SPEC trains every method to that `cvl train --budget` into runs/METHOD-budget
+#        (README: Comparing at equal compute);
 #        recipes/synthetic_benchmark.sh runs it over 3 seeds with 600 / 2000 / 128)
 # Rerunning reuses what is finished (stream, runs, evaluations). What was traded for the
 # 5-minute budget (against recipes/synthetic_methods.sh): 250 pairs per task and 2 epochs
@@ -28,6 +30,8 @@ SEED=${SEED:-0}
 PER_TASK=${PER_TASK:-250}
 PRETRAIN=${PRETRAIN:-1500}
 TEST=${TEST:-100}
+BUDGET=${BUDGET:-}
+SUFFIX=${BUDGET:+-budget}  # budgeted runs sit beside the unbudgeted ones
 BUF=$((PER_TASK / 4))      # replay: 5 % of the stream's 5 x PER_TASK pairs
 MEM=$((PER_TASK / 2))      # IncCLIP's memory: 10 %
 mkdir -p "$OUT"
@@ -68,17 +72,17 @@ step "3. zero-shot: CLIP_0 on every task"
 "$CVL" train --stream "$STREAM" --method zeroshot --init-run "$OUT/runs/clip0" "${COMMON[@]}" \
   --out "$OUT/runs/zeroshot" --quiet
 for M in $METHODS; do
-  step "3. train $M from CLIP_0 (5 tasks, 2 epochs each)"
+  step "3. train $M from CLIP_0 (5 tasks, 2 epochs each${BUDGET:+ at most, budget $BUDGET})"
   # shellcheck disable=SC2046
   "$CVL" train --stream "$STREAM" $(args_of "$M") --init-run "$OUT/runs/clip0" --epochs 2 \
-    "${COMMON[@]}" --out "$OUT/runs/$M"
-  RUNS+=("$OUT/runs/$M")
+    "${COMMON[@]}" ${BUDGET:+--budget "$BUDGET"} --out "$OUT/runs/$M$SUFFIX"
+  RUNS+=("$OUT/runs/$M$SUFFIX")
 done
 
 step "4. evaluate and compare: ${METHODS}"
-"$CVL" eval --compare "${RUNS[@]}" --no-probe --no-zeroshot --out "$OUT/compare"
+"$CVL" eval --compare "${RUNS[@]}" --no-probe --no-zeroshot --out "$OUT/compare$SUFFIX"
 
-if [[ " $METHODS " == *" seqft "* && " $METHODS " == *" modx "* ]]; then
+if [[ -z "$BUDGET" && " $METHODS " == *" seqft "* && " $METHODS " == *" modx "* ]]; then
   step "5. Mod-X rotation analysis: seqft vs modx (first task's test set)"
   "$CVL" analyze rotation --compare "$OUT/runs/seqft" "$OUT/runs/modx"
 fi

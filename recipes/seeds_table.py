@@ -4,9 +4,10 @@ Reads ROOT/s<seed>/<run>/eval/metrics.json (as `recipes/synthetic_methods.sh` la
 after `cvl eval`) or ROOT/s<seed>/runs/<run>/eval/metrics.json (`recipes/demo.sh`) and prints, per run name: the number of seeds, the average over tasks of the
 final model's Rm and TR@1 (last row of the R matrix), forgetting (mean over tasks 0..T-2 of
 max earlier R - final R), IncCLIP's BWT, the final model's Rm on the merged test set of all
-tasks (CTP protocol) and its Rm on task 0.
+tasks (CTP protocol) and its Rm on task 0. With `--cost`, also what each run cost to train
+(run.json "cost", `cvl.train.cost`): total TFLOPs (training steps + extras) and optimizer steps.
 
-    .venv/bin/python recipes/seeds_table.py ROOT seqft,joint,er,modx,...
+    .venv/bin/python recipes/seeds_table.py ROOT seqft,joint,er,modx,... [--cost]
 """
 
 from __future__ import annotations
@@ -27,6 +28,21 @@ COLUMNS = (
 )
 
 
+COST_COLUMNS = ("TFLOPs", "steps")
+
+
+def cost(run: Path) -> dict[str, float | None]:
+    """Total TFLOPs and optimizer steps of the run folder `run` (None when not recorded)."""
+    f = run / "run.json"
+    c = json.loads(f.read_text()).get("cost") if f.is_file() else None
+    if not c or not c.get("tasks"):
+        return {"TFLOPs": None, "steps": None}
+    steps = 0
+    for t in sorted((run / "tasks").glob("*/task.json")):
+        steps += json.loads(t.read_text()).get("steps", 0)
+    return {"TFLOPs": c["total_flops"] / 1e12, "steps": float(steps)}
+
+
 def headline(m: dict) -> dict[str, float | None]:
     """The table's numbers for one metrics.json (None where the run has no such value)."""
     cont = m.get("continual") or {}
@@ -42,32 +58,35 @@ def headline(m: dict) -> dict[str, float | None]:
     }
 
 
-def cell(xs: list[float]) -> str:
+def cell(xs: list[float], digits: int = 1) -> str:
     if not xs:
         return "–"
     if len(xs) == 1:
-        return f"{xs[0]:.1f}"
-    return f"{statistics.mean(xs):.1f} ± {statistics.stdev(xs):.1f}"
+        return f"{xs[0]:.{digits}f}"
+    return f"{statistics.mean(xs):.{digits}f} ± {statistics.stdev(xs):.{digits}f}"
 
 
-def main(root: str, runs: str) -> None:
+def main(root: str, runs: str, with_cost: bool = False) -> None:
     seeds = sorted(p for p in Path(root).glob("s[0-9]*") if p.is_dir())
-    print("| run | seeds | " + " | ".join(COLUMNS) + " |")
-    print("|---|---|" + "---|" * len(COLUMNS))
+    cols = COLUMNS + (COST_COLUMNS if with_cost else ())
+    print("| run | seeds | " + " | ".join(cols) + " |")
+    print("|---|---|" + "---|" * len(cols))
     for run in runs.split(","):
         rows = [
-            headline(json.loads(f.read_text()))
+            {**headline(json.loads(f.read_text())), **(cost(f.parent.parent) if with_cost else {})}
             for s in seeds
             for f in (s / run / "eval" / "metrics.json", s / "runs" / run / "eval" / "metrics.json")
             if f.is_file()
         ]
         if not rows:
             continue
-        cells = [cell([r[c] for r in rows if r[c] is not None]) for c in COLUMNS]
+        digits = {"TFLOPs": 3, "steps": 0}
+        cells = [cell([r[c] for r in rows if r[c] is not None], digits.get(c, 1)) for c in cols]
         print(f"| {run} | {len(rows)} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
+    args = [a for a in sys.argv[1:] if a != "--cost"]
+    if len(args) != 2:
         sys.exit(__doc__)
-    main(sys.argv[1], sys.argv[2])
+    main(args[0], args[1], with_cost="--cost" in sys.argv[1:])

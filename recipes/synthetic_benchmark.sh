@@ -3,7 +3,9 @@
 # shared vocabulary between neighbouring tasks, CLIP_0 trained on the pretraining set, every
 # method started from it) for each seed, then mean ± sd of the headline numbers.
 # Usage: recipes/synthetic_benchmark.sh [OUT_DIR] [SEEDS]     (default: bench "0 1 2")
-# The README's results tables are this script's output.
+# The README's results tables are this script's output. BUDGET=SPEC (e.g. tflops=0.166, SeqF's
+# two epochs) trains every method to that `--budget` instead (runs METHOD-budget, reusing each
+# seed's stream and CLIP_0) and adds each run's TFLOPs and steps to the table.
 set -euo pipefail
 OUT=${1:-bench}
 SEEDS=${2:-"0 1 2"}
@@ -14,4 +16,8 @@ for s in $SEEDS; do
   PER_TASK=${PER_TASK:-600} PRETRAIN=${PRETRAIN:-2000} TEST=${TEST:-128} SEED=$s \
     bash "$(dirname "$0")/demo.sh" "$OUT/s$s"
 done
-"$PY" "$(dirname "$0")/seeds_table.py" "$OUT" "zeroshot,${METHODS// /,}"
+if [ -n "${BUDGET:-}" ]; then
+  "$PY" "$(dirname "$0")/seeds_table.py" "$OUT" "${METHODS// /-budget,}-budget" --cost
+else
+  "$PY" "$(dirname "$0")/seeds_table.py" "$OUT" "zeroshot,${METHODS// /,}"
+fi

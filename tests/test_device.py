@@ -136,7 +136,7 @@ def test_nondeterministic_op_stops_with_one_line():
 def test_step_seeding_covers_the_cuda_generators():
     """The loop's per-step seeding (`seed_torch`) fixes CUDA draws (dropout, randn on the
     device) too, not only the CPU generator's."""
-    from cvl.train.loop import seed_torch
+    from cvl.train.optim import seed_torch
 
     cuda = torch.device("cuda", torch.cuda.current_device())
     seed_torch(5, cuda)

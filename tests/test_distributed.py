@@ -123,6 +123,7 @@ def test_two_processes_equal_one_with_double_batch(synth_stream, tmp_path):
         + ["--workers", "1", "--log-every", "2"],
     )
     assert_equivalent(l1, l2, w1, w2, keys=("loss", "itc"))
+    assert_same_step_cost(tmp_path / "one", tmp_path / "two")
 
 
 @pytest.mark.slow
@@ -225,6 +226,15 @@ def test_every_method_two_processes_equal_one(method, dist_runs):
     w1 = load_file(str(finished_tasks(root / "one" / method)[-1].model_path))
     w2 = load_file(str(finished_tasks(root / "two" / method)[-1].model_path))
     assert_weights_close(w1, w2, atol=WEIGHT_ATOL)
+    assert_same_step_cost(root / "one" / method, root / "two" / method)
+
+
+def assert_same_step_cost(one: Path, two: Path) -> None:
+    """task.json's cost sums the ranks: 2 processes × batch B count the FLOPs of 1 × 2B."""
+    for a, b in zip(finished_tasks(one), finished_tasks(two)):
+        ca, cb = (json.loads((c.path / "task.json").read_text())["cost"] for c in (a, b))
+        assert (ca["processes"], cb["processes"]) == (1, 2) and ca["samples"] == cb["samples"]
+        assert abs(cb["flops_per_step"] - ca["flops_per_step"]) <= 0.01 * ca["flops_per_step"]
 
 
 def assert_weights_close(w1: dict, w2: dict, atol: float = 1e-5, key_bias_atol: float = 1e-4):

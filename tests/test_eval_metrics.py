@@ -338,7 +338,7 @@ def test_zeroshot_image_folder(tmp_path, fake_model):
 
 def test_seen_so_far_curve_and_compare_plots(tmp_path):
     """The comparison curve: mean of R[k][0..k] after task k; a joint run sits at the end."""
-    from cvl.evaluation.report import plot_compare, seen_so_far
+    from cvl.evaluation.comparison import plot_compare, seen_so_far
 
     seq = {
         "run_name": "seq",
@@ -362,7 +362,7 @@ def test_seen_so_far_curve_and_compare_plots(tmp_path):
 def test_compare_table_json_and_benchmark_columns(tmp_path):
     """`cvl eval --compare` files: one row per run; each benchmark's columns are the FINAL
     checkpoint's values (last row), a run without that benchmark gets '–' / null; NaN -> null."""
-    from cvl.evaluation.report import compare_table, write_compare
+    from cvl.evaluation.comparison import compare_table, write_compare
 
     a = {
         "run_name": "a",

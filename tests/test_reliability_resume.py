@@ -135,9 +135,9 @@ def test_kill_inside_checkpoint_write_resumes_from_previous(
     pid = os.fork()
     if pid == 0:  # the child: the real loop, with a write that dies half-way
         try:
-            import cvl.train.loop as loop
+            import cvl.train.rundir as rundir
 
-            loop.atomic_dir = _dying_atomic_dir(loop.atomic_dir, crash_at, phase)
+            rundir.atomic_dir = _dying_atomic_dir(rundir.atomic_dir, crash_at, phase)
             cli(argv)
         finally:
             os._exit(1)  # reached only if the injected death did not happen

@@ -13,7 +13,7 @@ import pytest
 from reliability_helpers import build_tiny_stream, train_argv
 
 from cvl.cli import main
-from cvl.train.loop import cosine_schedule
+from cvl.train.optim import cosine_schedule
 
 
 @pytest.fixture(scope="module")
@@ -107,12 +107,12 @@ def test_disk_full_while_saving_last_is_one_line_and_the_rerun_resumes(
     tiny, tmp_path, monkeypatch, capsys, writer
 ):
     import cvl.models
-    import cvl.train.loop as loop
+    import cvl.train.rundir as rundir
 
     out = tmp_path / "r"
     argv = train_argv(tiny, out, "seqft")
     calls = {"n": 0}
-    real = loop.save_torch if writer == "save_torch" else cvl.models.save_weights
+    real = rundir.save_torch if writer == "save_torch" else cvl.models.save_weights
 
     def full(*args):
         path = Path(args[0] if writer == "save_torch" else args[1])
@@ -125,7 +125,7 @@ def test_disk_full_while_saving_last_is_one_line_and_the_rerun_resumes(
         return real(*args)
 
     if writer == "save_torch":
-        monkeypatch.setattr(loop, "save_torch", full)
+        monkeypatch.setattr(rundir, "save_torch", full)
     else:
         monkeypatch.setattr(cvl.models, "save_weights", full)
     assert main(argv) == 2

@@ -195,8 +195,9 @@ def eval_cmd(
       cvl eval --compare runs/seqft runs/er runs/ctp
     """
     from cvl.device import determinism, model_runner
+    from cvl.evaluation.comparison import render_compare, write_compare
     from cvl.evaluation.imagestore import ImageStore
-    from cvl.evaluation.report import render_compare, render_markdown, write_compare, write_outputs
+    from cvl.evaluation.report import render_markdown, write_outputs
     from cvl.evaluation.runner import EvalOptions, evaluate_run
 
     opts = EvalOptions(
@@ -233,7 +234,7 @@ def eval_cmd(
         for r in targets:
             m = _existing_metrics(Path(r)) if not force and stream is None else None
             if m is not None:
-                ms.append(m)
+                ms.append({**m, "run": str(r)})  # the folder as named now (its cost is read there)
                 continue
             lock = _lock_eval(r, None, acc)
             m = evaluate_run(r, opts, acc, store=store)

@@ -40,6 +40,7 @@ from cvl.methods.base import TaskContext, base_loss
 from cvl.methods.ewc import EWC, task_fisher
 from cvl.methods.registry import register
 from cvl.methods.regularizers import task_batches, trainable
+from cvl.train.cost import extra
 
 
 def _opt_state_in(sd: dict) -> dict:
@@ -78,7 +79,7 @@ class AFEC(EWC):
         """The expanded model's AdamW + schedule (needs `ctx.steps_in_task`, known from the
         first step on); a state loaded on resume is applied here."""
         if self.exp_opt is None:
-            from cvl.train.loop import optimizer_with_schedule  # built like the loop's optimizer
+            from cvl.train.optim import optimizer_with_schedule  # built like the loop's optimizer
 
             params = [p for _, p in trainable(self.expanded)]
             self.exp_opt, self.exp_sched = optimizer_with_schedule(
@@ -133,10 +134,11 @@ class AFEC(EWC):
         self.exp_epoch = ctx.epoch
 
     def before_step(self, ctx: TaskContext) -> None:
-        if self.expanded is not None:
+        if self.expanded is not None and not ctx.probing:  # a probe measures the step alone
             self._ensure_optimizer(ctx)
             if self.exp_epoch != ctx.epoch:
-                self._expanded_epoch(ctx)
+                with extra(ctx, "afec_expanded"):  # a per-epoch extra (cvl.train.cost)
+                    self._expanded_epoch(ctx)
         super().before_step(ctx)  # EWC's anchor, then the expanded one below
         self._value_e = None
         if self.fisher_e is not None:

@@ -47,6 +47,9 @@ class TaskContext:
     global_step: int = 0
     steps_in_task: int = 0
     resuming: bool = False
+    #: True while the loop measures a step it then undoes (`cvl.train.budget.probe_step`):
+    #: work that is not part of a step (AFEC's per-epoch expanded model) may be skipped.
+    probing: bool = False
     buffer: Any = None
     generator: torch.Generator | None = None  # re-seeded every step: same on all ranks
     task_entries: list = field(default_factory=list)  # this task's training samples

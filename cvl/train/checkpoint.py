@@ -68,6 +68,16 @@ def load_state(folder: str | os.PathLike, name: str) -> dict[str, Any]:
     return _join(read_json(folder / f"{name}.json"), tensors)
 
 
+def state_copy(state: dict[str, Any]) -> dict[str, Any]:
+    """What `save_state` then `load_state` would give back, in memory (tensors cloned to the
+    CPU, JSON values round-tripped): a snapshot a method can be restored from as on resume."""
+    import json
+
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton = json.loads(json.dumps(_split(state, "", tensors)))
+    return _join(skeleton, tensors)
+
+
 def save_torch(path: str | os.PathLike, obj: Any) -> None:
     torch.save(obj, str(path))
 

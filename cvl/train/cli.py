@@ -43,6 +43,7 @@ _OPTS = [
     "compile",
     "device",
     "deterministic",
+    "budget",
 ]
 
 
@@ -223,6 +224,16 @@ _OPTS = [
     "--compile",
     is_flag=True,
     help="torch.compile the model's forward (slow first steps; pays off on long GPU runs).",
+)
+@click.option(
+    "--budget",
+    default=None,
+    metavar="SPEC",
+    help="Train to a compute budget instead of full epochs: samples=N, tflops=N or maf=N "
+    "(memory-adjusted TFLOPs, relative to seqft's step on the same model) for the whole "
+    "stream, shared by the tasks in proportion to their size, or N/task for each task. Each "
+    "task's steps = its budget / the measured cost of one of its steps; --epochs stays an "
+    "upper bound. README: Comparing at equal compute.",
 )
 @device_option
 @deterministic_option

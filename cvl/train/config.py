@@ -58,6 +58,7 @@ class TrainConfig:
     compile: bool = False  # torch.compile the model's forward (training step only)
     device: str = "auto"  # auto | cpu | cuda | cuda:N (cvl.device); multi-process: auto|cuda|cpu
     deterministic: bool | None = None  # bit-reproducible kernels; None = per device (cvl.device)
+    budget: str | None = None  # samples=N | tflops=N | maf=N [/task] (cvl.train.budget)
 
     def validate(self) -> TrainConfig:
         """Clear one-line errors for values no run could use."""
@@ -87,6 +88,9 @@ class TrainConfig:
             )
         if self.deterministic is not None and not isinstance(self.deterministic, bool):
             raise CvlError(f"deterministic must be true or false, got {self.deterministic!r}")
+        from cvl.train.budget import parse_budget
+
+        parse_budget(self.budget)  # a clear error for a malformed spec
         if self.pretrained and self.init_run:
             raise CvlError("give --pretrained FILE or --init-run RUN, not both")
         from cvl.models.tune import Tuning

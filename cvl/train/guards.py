@@ -1,0 +1,128 @@
+"""Non-finite guards of `Trainer` (a mixin): a NaN/Inf loss skipped or stopped at the exact
+step with its sample ids, weights checked before every save, and the hints that go with
+them (lower the learning rate, how to resume)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from cvl.dist import world_size
+from cvl.errors import CvlError
+from cvl.io import read_json
+from cvl.methods.base import TaskContext
+from cvl.train.rundir import LAST
+
+# A task stops when more than this share of its optimizer steps (and more than one) were
+# skipped for a non-finite loss, whatever --skip-nonfinite allows: it is no longer training.
+MAX_SKIPPED_SHARE = 0.1
+
+
+class NonFiniteGuards:
+    """Stops (or, within `--skip-nonfinite`, skips) non-finite steps; checks weights."""
+
+    def _nonfinite(
+        self, loss: torch.Tensor, terms: dict[str, torch.Tensor], batch: dict, ctx: TaskContext
+    ) -> bool:
+        """True when the loss is NaN/Inf on any rank and `--skip-nonfinite` allows a skip.
+
+        The one host sync of a step (a finiteness flag; with several processes one all-reduce
+        of it, so every rank takes the same decision and none waits in a collective the others
+        skip): stopping at the exact step, with the batch's sample ids, needs it. Past the
+        allowance the run stops with the term names, the step and the sample ids; last/ still
+        holds the previous good checkpoint. A task also stops once more than
+        `MAX_SKIPPED_SHARE` of its steps (and more than one) were skipped, whatever the
+        allowance: a task that skips that many is no longer being trained.
+        """
+        flag = torch.isfinite(loss.detach()).float()
+        if world_size() > 1:
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+        if bool(flag):
+            return False
+        bad = [k for k, v in terms.items() if not bool(torch.isfinite(v.detach()).all())]
+        self.nonfinite_skipped = getattr(self, "nonfinite_skipped", 0) + 1
+        vals = ", ".join(f"{k}={float(v.detach()):.4g}" for k, v in terms.items() if k in bad)
+        where = f"task {ctx.task_name} (index {ctx.task_index}), step {ctx.step + 1}"
+        ids = [str(i) for i in batch.get("id", [])]
+        if self.nonfinite_skipped > self.cfg.skip_nonfinite:
+            raise CvlError(
+                f"non-finite loss at {where}: {vals or 'on another rank'}; "
+                f"sample ids (rank {self.acc.process_index}): {', '.join(ids[:32])}"
+                + (" ..." if len(ids) > 32 else "")
+                + f"; {self._lr_hint()}; {self._resume_hint(ctx)}: fix the data or the "
+                "settings, or add --skip-nonfinite N"
+            )
+        n_task, limit = self._count_task_skip(ctx)
+        if n_task > limit:
+            raise CvlError(
+                f"non-finite loss at {where}: {n_task} of the task's {ctx.steps_in_task} steps "
+                f"skipped, more than {MAX_SKIPPED_SHARE:.0%} (at most {limit}): the task is not "
+                f"training; {self._lr_hint()}; {self._resume_hint(ctx)}"
+            )
+        self.acc.print(
+            f"warning: non-finite loss at {where} ({vals or 'on another rank'}): step skipped "
+            f"({self.nonfinite_skipped} of --skip-nonfinite {self.cfg.skip_nonfinite})"
+        )
+        return True
+
+    def _count_task_skip(self, ctx: TaskContext) -> tuple[int, int]:
+        """Count one more skipped step of this task: (skipped so far, most allowed).
+
+        Steps skipped before a resume come from the task's log (truncated to the resumed
+        step); every rank reads it after the step's all-reduce, so all decide alike."""
+        c = getattr(self, "_skips", None)
+        if c is None or c[0] != ctx.task_index:
+            logged = 0
+            if self._log_path.is_file():
+                for ln in self._log_path.read_text().splitlines():
+                    logged += json.loads(ln).get("nonfinite_skipped", 0) if ln else 0
+            c = self._skips = [ctx.task_index, logged]
+        c[1] += 1
+        return c[1], max(1, int(MAX_SKIPPED_SHARE * ctx.steps_in_task))
+
+    def _lr_hint(self) -> str:
+        opt = getattr(self, "_opt", None)
+        now = f"lr {opt.param_groups[0]['lr']:.3g} at this step, " if opt is not None else ""
+        return f"{now}--lr {self.cfg.lr:g}: a lower --lr or a --grad-clip often helps"
+
+    def _resume_hint(self, ctx: TaskContext) -> str:
+        """What a rerun of the same command starts from (nothing is promised that is not there)."""
+        from cvl.runs import finished_tasks
+
+        lp = self.out / LAST / "position.json"
+        if lp.is_file():
+            p = read_json(lp)
+            if p.get("task_index") == ctx.task_index:
+                return f"the run can resume from last/ (task {ctx.task_index}, step {p['step']})"
+        done = [c for c in finished_tasks(self.out) if c.index < ctx.task_index]
+        if done:
+            return f"the run can resume from the end of task {done[-1].path.name}"
+        return "no checkpoint yet: a rerun starts from the initial weights"
+
+    def _check_weights(self, ctx: TaskContext) -> None:
+        """Stop before a checkpoint holds NaN/Inf weights (at each checkpoint and task end:
+        one finiteness flag per tensor, one host sync). Replicas are equal on every rank, so
+        every rank stops alike without a collective."""
+        params = list(self.model.named_parameters())
+        if not params:
+            return
+        ok = torch.stack([torch.isfinite(p.detach()).all() for _, p in params])
+        if bool(ok.all()):
+            return
+        bad = [n for (n, _), good in zip(params, ok.tolist()) if not good]
+        raise CvlError(
+            f"non-finite weights at task {ctx.task_name} (index {ctx.task_index}), step "
+            f"{ctx.step}: {len(bad)} tensor(s), e.g. {bad[0]}; not saved; {self._lr_hint()}; "
+            f"{self._resume_hint(ctx)}"
+        )
+
+    def _fault_counts(self) -> dict[str, int]:
+        """Unreadable samples replaced and NaN/Inf steps skipped in this task (from its log)."""
+        recs = []
+        if self._log_path.is_file():
+            recs = [json.loads(x) for x in self._log_path.read_text().splitlines() if x]
+        return {
+            "replaced_samples": sum(r.get("replaced_samples", 0) for r in recs),
+            "nonfinite_skipped_steps": sum(r.get("nonfinite_skipped", 0) for r in recs),
+        }

@@ -1,0 +1,400 @@
+"""The run folder side of `Trainer` (a mixin): run.json, the run lock, the overwrite and
+resume checks, mid-task checkpoints in last/ and the finished tasks' folders.
+
+Files (see `cvl/runs.py`): run.json, init/ (initial weights), tasks/NN-name/ (one per
+finished task: model, method state, log), last/ (mid-task checkpoint, atomic), logs/.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cvl import __version__
+from cvl.dist import broadcast_module
+from cvl.errors import CvlError
+from cvl.io import atomic_dir, read_json, recover_dir, write_json
+from cvl.methods.base import TaskContext
+from cvl.runs import MODEL_FILE, RUN_JSON, RUN_SCHEMA, task_dir
+from cvl.streams.manifest import Manifest
+from cvl.train.checkpoint import load_state, load_torch, save_state, save_torch
+from cvl.train.config import config_diff
+from cvl.train.cost import summarize_run
+from cvl.train.optim import optimizer_with_schedule
+
+LAST = "last"
+METHOD_STATE = "method_state"
+TUNE_STATE = "tune.safetensors"  # in last/: the adapters and base weights (--tune lora/dora)
+BEST_MODEL = "best_model.safetensors"  # in last/: the best-on-validation weights so far
+
+
+def _manifest_sha(m: Manifest) -> str | None:
+    """SHA-256 of the stream's stream.json: a stream rebuilt in place changes it (`created`)."""
+    from cvl.streams.manifest import MANIFEST, file_sha256
+
+    f = m.root / MANIFEST if m.root is not None else None
+    return file_sha256(f) if f is not None and f.is_file() else None
+
+
+class RunFolder:
+    """What `Trainer` reads and writes in its run folder (uses the trainer's attributes)."""
+
+    def _run_json(self) -> dict[str, Any]:
+        import accelerate
+        import open_clip
+
+        m = self.manifest
+        return {
+            "schema": RUN_SCHEMA,
+            "config": self.cfg.to_json(),
+            "model": self.model.config(),
+            "stream": {
+                "path": str(Path(self.cfg.stream).absolute()),
+                "name": m.name,
+                "task_order": list(m.task_order),
+                "fingerprint": m.fingerprint,
+                "manifest_sha256": _manifest_sha(m),
+            },
+            "versions": {
+                "cvl": __version__,
+                "torch": torch.__version__,
+                "open_clip": open_clip.__version__,
+                "accelerate": accelerate.__version__,
+                "python": platform.python_version(),
+            },
+            "processes": self.acc.num_processes,
+            "cost": summarize_run(self.out),
+            "tuning": self.tuning.summary(),
+            "runtime": self._runtime(),
+            "earlier_runtimes": getattr(self, "_earlier_runtimes", []),
+        }
+
+    def _runtime(self) -> dict[str, Any]:
+        """Where and how reproducibly this session trains (main process's device)."""
+        return {
+            "device": str(self.acc.device),
+            "deterministic": self.deterministic,
+            "deterministic_source": "default" if self.cfg.deterministic is None else "option",
+        }
+
+    def _note_runtime_change(self, old: dict[str, Any]) -> None:
+        """Keep the earlier sessions' runtimes that differ; say when determinism changes."""
+        self._earlier_runtimes = list(old.get("earlier_runtimes") or [])
+        before, now = old.get("runtime"), self._runtime()
+        if not before or before == now:
+            return
+        self._earlier_runtimes.append(before)
+        if before.get("deterministic") != now["deterministic"] and self.acc.is_main_process:
+            flag = "--deterministic" if now["deterministic"] else "--no-deterministic"
+            self.acc.print(
+                f"note: {self.out} continues with {flag} (it trained with the other mode so "
+                "far); run.json records both: an exact rerun needs the same mode throughout"
+            )
+
+    def _prepare_run_dir(self, force: bool) -> None:
+        from cvl.models import build_model
+
+        cfg = self.cfg
+        torch.manual_seed(cfg.seed)
+        start = cfg.pretrained
+        if cfg.init_run:
+            from cvl.runs import init_weights_file
+
+            start = str(init_weights_file(cfg.init_run))
+        self.model = build_model(cfg.model, cfg.model_config, pretrained=start)
+        if cfg.grad_checkpointing:
+            self.model.set_grad_checkpointing(True)
+        self._sync_batchnorm()
+        self.model.to(self.acc.device)
+        broadcast_module(self.model)
+        from cvl.models.tune import Tuning
+
+        self.tuning = Tuning(cfg.tune, cfg.tune_args)  # which parameters train (cvl.models.tune)
+        self.tuning.apply(self.model, self._tune_seed(0))
+        rj = self.out / RUN_JSON
+        history: list[dict[str, Any]] = []
+        if rj.is_file():
+            old = read_json(rj)
+            diff = config_diff(old.get("config", {}), cfg.to_json())
+            if old.get("stream", {}).get("fingerprint") != self.manifest.fingerprint:
+                diff.append("stream: content differs (name, seed, task order or counts)")
+            elif old.get("stream", {}).get("manifest_sha256", _manifest_sha(self.manifest)) != (
+                _manifest_sha(self.manifest)
+            ):
+                diff.append("stream: stream.json was rewritten since the run started (rebuilt?)")
+            if diff and not force:
+                raise CvlError(
+                    f"{self.out} holds a run with another config ({'; '.join(diff)}); "
+                    "use another --out, or --force to continue with the new config"
+                )
+            history = self._forced_history(old, diff)
+            self._note_runtime_change(old)
+            self.resumed = True
+        else:
+            if self.out.exists() and (not self.out.is_dir() or any(self.out.iterdir())):
+                raise CvlError(
+                    f"{self.out} exists and is not a cvl run folder; choose another --out"
+                )
+            self.resumed = False
+        self.acc.wait_for_everyone()  # every rank has checked the folder before rank 0 writes
+        if self.acc.is_main_process:
+            self.out.mkdir(parents=True, exist_ok=True)
+            write_json(rj, {**self._run_json(), **({"changes": history} if history else {})})
+            if not (self.out / "init" / MODEL_FILE).is_file():
+                from cvl.models import save_weights
+
+                with atomic_dir(self.out / "init", overwrite=True) as tmp:
+                    save_weights(self.model, tmp / MODEL_FILE)
+        self.acc.wait_for_everyone()
+
+    def _lock_run_dir(self) -> None:
+        """Hold RUN's lock for the whole run (rank 0; every rank learns the outcome), then
+        remove what killed writers left: temp and old copies of last/, init/, task folders."""
+        from cvl.io import recover_children
+        from cvl.lock import lock_on_main
+
+        self._lock = lock_on_main(self.out, self.acc)
+        if self.acc.is_main_process and (self.out / RUN_JSON).is_file():
+            recover_children(self.out)
+            recover_children(self.out / "tasks")
+        self.acc.wait_for_everyone()
+
+    def _release_lock(self) -> None:
+        lock = getattr(self, "_lock", None)
+        if lock is not None:
+            lock.release()
+
+    def _resume_at(self) -> tuple[int, dict[str, Any] | None]:
+        """The first task still to train and, if last/ holds that task's mid-task checkpoint,
+        its position (last/position.json)."""
+        order = list(self.manifest.task_order)
+        single = getattr(self.method, "single_task", False)
+        indices = [len(order) - 1] if single else list(range(len(order)))
+        done = [i for i in indices if (task_dir(self.out, i, order[i]) / MODEL_FILE).is_file()]
+        start = next((i for i in indices if i not in done), len(order))
+        lp = self.out / LAST / "position.json"
+        pos = read_json(lp) if lp.is_file() else None
+        return start, pos if pos is not None and pos.get("task_index") == start else None
+
+    def _forced_history(self, old: dict[str, Any], diff: list[str]) -> list[dict[str, Any]]:
+        """run.json's record of the config changes made with --force: earlier ones kept, this
+        one added with the task and step from which it applies. A change that a mid-task
+        checkpoint cannot carry on with (anything but the optimizer and schedule settings) is
+        refused while a task is half done."""
+        import datetime
+
+        from cvl.train.config import MIDTASK_KEYS, config_changes
+
+        history = list(old.get("changes") or [])
+        self._forced: set[str] = set()
+        if not diff:
+            return history
+        fields = config_changes(old.get("config", {}), self.cfg.to_json())
+        stream = [d for d in diff if d.startswith("stream:")]
+        start, pos = self._resume_at()
+        order = list(self.manifest.task_order)
+        if pos is not None:
+            bad = sorted(set(fields) - MIDTASK_KEYS)
+            bad += ["the stream's content"] if any("content differs" in d for d in stream) else []
+            if bad:
+                raise CvlError(
+                    f"{self.out}: --force cannot change {', '.join(bad)} in the middle of task "
+                    f"{order[start]} (last/ holds step {pos['step']}): rerun with the old "
+                    f"value(s) to finish the task, or delete {self.out / LAST}/ to restart the "
+                    "task from its beginning with the new ones"
+                )
+        self._forced = set(fields)
+        history.append(
+            {
+                "task_index": start,
+                "task": order[start] if start < len(order) else None,
+                "step": pos["step"] if pos is not None else 0,
+                "fields": {k: [a, b] for k, (a, b) in fields.items()},
+                **({"stream": stream} if stream else {}),
+                "time": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            }
+        )
+        if self.acc.is_main_process:
+            where = f"task {start}" + (f", step {pos['step']}" if pos is not None else "")
+            self.acc.print(
+                f"--force: {', '.join(sorted(fields)) or 'stream'} changed from {where} on"
+            )
+        return history
+
+    def _resume_point(self, indices: list[int], ctx: TaskContext) -> tuple[int, dict | None]:
+        """First task to train and, if a mid-task checkpoint matches it, its position."""
+        from cvl.models import load_weights
+
+        done = [i for i in indices if (task_dir(self.out, i, self.order[i]) / MODEL_FILE).is_file()]
+        if done:
+            last_done = max(done)
+            d = task_dir(self.out, last_done, self.order[last_done])
+            load_weights(self.model, d / MODEL_FILE)
+            st = load_state(d, METHOD_STATE)
+            self._restore_method_state(st, ctx)
+        if self.acc.is_main_process:
+            recover_dir(self.out / LAST)  # a kill inside the last/ swap: the previous one
+        self.acc.wait_for_everyone()
+        start, pos = self._resume_at()  # a stale last/ (of a task since finished) is ignored
+        if start >= len(self.order) and self.acc.is_main_process:
+            self.acc.print(
+                f"{self.out}: all {len(self.order)} tasks already trained; nothing to do"
+            )
+        elif (done or pos) and self.acc.is_main_process:
+            where = f"task {start} ({self.order[start]})" + (f", step {pos['step']}" if pos else "")
+            self.acc.print(f"resuming {self.out} at {where}")
+        return start, pos
+
+    def _restore_method_state(self, st: dict[str, Any], ctx: TaskContext) -> None:
+        if not st:
+            return
+        self.method.load_state_dict(st.get("method", {}))
+        if ctx.buffer is not None and st.get("buffer"):
+            ctx.buffer.load_state_dict(st["buffer"])
+
+    def _method_state(self, ctx: TaskContext) -> dict[str, Any]:
+        st: dict[str, Any] = {"method": self.method.state_dict()}
+        if ctx.buffer is not None:
+            st["buffer"] = ctx.buffer.state_dict()
+        return st
+
+    def _load_last(self, opt: Any, sched: Any, ctx: TaskContext, total: int) -> None:
+        """Restore the mid-task checkpoint (weights, optimizer, schedule, method state), then
+        the optimizer settings a --force resume changed; an unreadable file is one line."""
+        from cvl.models import load_weights
+
+        last = self.out / LAST
+        try:
+            load_weights(self.model, last / MODEL_FILE)
+            if (last / TUNE_STATE).is_file():  # --tune lora/dora: the adapters and base weights
+                from safetensors.torch import load_file
+
+                self.tuning.load_state(self.model, load_file(str(last / TUNE_STATE)))
+            opt.load_state_dict(load_torch(last / "optimizer.pt"))
+            sched.load_state_dict(load_torch(last / "scheduler.pt"))
+            self._restore_method_state(load_state(last, METHOD_STATE), ctx)
+        except Exception as e:  # noqa: BLE001 (torch, safetensors and JSON raise their own)
+            why = " ".join(str(e).split())[:160] or type(e).__name__
+            raise CvlError(
+                f"{last}: the mid-task checkpoint of task {ctx.task_name} cannot be read "
+                f"({why}); delete {last}/ to restart the task from its beginning "
+                "(finished tasks are kept)"
+            ) from None
+        self._apply_forced_settings(opt, sched, total)
+
+    def _apply_forced_settings(self, opt: Any, sched: Any, total: int) -> None:
+        """After a --force resume that changed lr, min_lr, warmup, weight decay, betas or eps:
+        this config's settings and schedule from the resumed step on (the loaded state holds
+        the old ones). The optimizer's moments and the step count are kept."""
+        from cvl.train.config import MIDTASK_KEYS
+
+        if not (getattr(self, "_forced", set()) & MIDTASK_KEYS):
+            return
+        fresh, fresh_sched = optimizer_with_schedule(self._params(), self.cfg, total)
+        for g, f in zip(opt.param_groups, fresh.param_groups):
+            g.update({k: v for k, v in f.items() if k != "params"})
+        sched.base_lrs = list(fresh_sched.base_lrs)
+        sched.lr_lambdas = fresh_sched.lr_lambdas
+        for g, base, lam in zip(opt.param_groups, sched.base_lrs, sched.lr_lambdas):
+            g["lr"] = base * lam(sched.last_epoch)
+
+    def _restore_keeper(self, last: Path, pos: dict) -> None:
+        from safetensors.torch import load_file
+
+        f = last / BEST_MODEL
+        self._keeper.load_info(pos.get("best") or {}, load_file(str(f)) if f.is_file() else None)
+
+    def _steps_done_before(self, ti: int) -> list[int]:
+        out = []
+        for i in range(ti):
+            p = self.out / "logs" / f"{i:02d}-{self.order[i]}.jsonl"
+            if p.is_file():
+                lines = p.read_text().splitlines()
+                out.append(json.loads(lines[-1])["step"] if lines else 0)
+        return out
+
+    def _truncate_log(self, step: int) -> None:
+        """Drop log lines written after the checkpoint we resume from (they will be redone)."""
+        if not self.acc.is_main_process or not self._log_path.is_file():
+            return
+        keep = [
+            ln
+            for ln in self._log_path.read_text().splitlines()
+            if ln and json.loads(ln)["step"] <= step
+        ]
+        self._log_path.write_text("".join(ln + "\n" for ln in keep))
+
+    def _save_last(self, ctx: TaskContext, opt: Any, sched: Any, where: dict[str, int]) -> None:
+        """Mid-task checkpoint: written to a temp folder, then renamed over last/."""
+        from cvl.models import save_weights
+
+        self._check_weights(ctx)
+        state = self._method_state(ctx)  # collective-free; every rank computes it
+        cost = self.cost.state()  # collective: counts summed over ranks
+        if self.acc.is_main_process:
+            with atomic_dir(self.out / LAST, overwrite=True) as tmp:
+                save_weights(self.model, tmp / MODEL_FILE)
+                if self.tuning.adapters:
+                    from safetensors.torch import save_file
+
+                    save_file(self.tuning.state(self.model), str(tmp / TUNE_STATE))
+                save_torch(tmp / "optimizer.pt", opt.state_dict())
+                save_torch(tmp / "scheduler.pt", sched.state_dict())
+                save_state(tmp, METHOD_STATE, state)
+                pos = {"task_index": ctx.task_index, "task": ctx.task_name, "step": ctx.step}
+                pos["cost"] = cost
+                if self._budget_rec is not None:
+                    pos["budget"] = self._budget_rec
+                keeper = getattr(self, "_keeper", None)
+                if keeper is not None:
+                    pos["best"] = keeper.info()
+                    if keeper.weights is not None:
+                        from safetensors.torch import save_file
+
+                        save_file(keeper.weights, str(tmp / BEST_MODEL))
+                write_json(tmp / "position.json", {**pos, **where})
+        self.acc.wait_for_everyone()
+
+    def _finish_task(self, ti: int, ctx: TaskContext, _: list) -> None:
+        from cvl.models import save_weights
+
+        self._check_weights(ctx)
+        state = self._method_state(ctx)
+        gb = self.cfg.batch_size * self.acc.num_processes * self.cfg.grad_accum
+        cost = self.cost.task_record(ctx.step, gb, self.acc.num_processes)  # collective
+        budget = getattr(self, "_budget_rec", None)
+        if self.acc.is_main_process:
+            d = task_dir(self.out, ti, self.order[ti])
+            with atomic_dir(d, overwrite=True) as tmp:
+                save_weights(self.model, tmp / MODEL_FILE)
+                save_state(tmp, METHOD_STATE, state)
+                if self._log_path.is_file():
+                    shutil.copy(self._log_path, tmp / "train_log.jsonl")
+                write_json(
+                    tmp / "task.json",
+                    {
+                        "task": ctx.task_name,
+                        "index": ti,
+                        "steps": ctx.step,
+                        "train_items": len(ctx.task_entries),
+                        "buffer_items": len(ctx.buffer) if ctx.buffer is not None else 0,
+                        "trainable_params": self.tuning.trainable,
+                        "skipped": getattr(self, "skipped", {}).get(ctx.task_name, {}),
+                        **self._fault_counts(),
+                        "selection": (
+                            k.info() if (k := getattr(self, "_keeper", None)) else {"by": "last"}
+                        ),
+                        "cost": cost,
+                        **({"budget": budget} if budget is not None else {}),
+                    },
+                )
+            rj = read_json(self.out / RUN_JSON)
+            write_json(self.out / RUN_JSON, {**rj, "cost": summarize_run(self.out)})
+            shutil.rmtree(self.out / LAST, ignore_errors=True)
+            self.acc.print(f"task {ti + 1}/{len(self.order)} {ctx.task_name}: saved {d}")
+        self.acc.wait_for_everyone()

@@ -135,6 +135,19 @@ def _tokens(model: Any, texts: list[str], batch_size: int, store: Any, key: str 
 
 
 @torch.no_grad()
+def placement(model: Any, accelerator: Any, device: Any) -> tuple[int, int, torch.device, bool]:
+    """(rank, processes, device, pin memory) of an embedding pass: the accelerator's when there
+    is one, else `device`, else where the model's weights are."""
+    rank = accelerator.process_index if accelerator is not None else 0
+    world = accelerator.num_processes if accelerator is not None else 1
+    if accelerator is not None:
+        device = accelerator.device
+    elif device is None:
+        device = next(model.parameters()).device
+    device = torch.device(device)
+    return rank, world, device, device.type == "cuda"
+
+
 def embed_dataset(
     model: Any,
     ds: PairDataset,
@@ -164,14 +177,7 @@ def embed_dataset(
     out, and `store` keeps the decoded set for later checkpoints. `precision`: autocast of the
     encoders (`no` = float32); features are always returned in float32 on the CPU.
     """
-    rank = accelerator.process_index if accelerator is not None else 0
-    world = accelerator.num_processes if accelerator is not None else 1
-    if accelerator is not None:
-        device = accelerator.device
-    elif device is None:
-        device = next(model.parameters()).device
-    device = torch.device(device)
-    pin = device.type == "cuda"
+    rank, world, device, pin = placement(model, accelerator, device)
     was_training = model.training
     model.eval()
     items, collate_fn, prepare, set_key, tok_key = _source(model, ds, store, rank, world)

@@ -201,17 +201,10 @@ def embed_images(
     Decoded like `embed_dataset`'s sets: uint8 in `num_workers` processes, normalised on the
     device, kept in `store` (an `ImageStore`) for the next checkpoint when they fit."""
     from cvl.data.transforms import EvalTransform
-    from cvl.evaluation.embed import _gather_rows_var, autocast
+    from cvl.evaluation.embed import _gather_rows_var, autocast, placement
     from cvl.evaluation.imagestore import ImageBatches
 
-    rank = accelerator.process_index if accelerator is not None else 0
-    world = accelerator.num_processes if accelerator is not None else 1
-    if accelerator is not None:
-        device = accelerator.device
-    elif device is None:
-        device = next(model.parameters()).device
-    device = torch.device(device)
-    pin = device.type == "cuda"
+    rank, world, device, pin = placement(model, accelerator, device)
     tf = EvalTransform(model.image_size)
     key = None
     if store is not None:

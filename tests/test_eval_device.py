@@ -233,6 +233,7 @@ def test_bf16_features_within_tolerance_of_float32(synth_stream):
     a = embed_dataset(model, ds, 8, device=torch.device("cpu"))
     b = embed_dataset(model, ds, 8, device=torch.device("cpu"), precision="bf16")
     for x, y in ((a.image_features, b.image_features), (a.text_features, b.text_features)):
+        assert not x.requires_grad and not y.requires_grad  # embedded without autograd
         assert y.dtype == torch.float32 and not torch.equal(x, y)  # autocast did run
         assert torch.nn.functional.cosine_similarity(x, y).min() >= 0.999
         assert (x - y).abs().max() <= 0.02

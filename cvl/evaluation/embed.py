@@ -134,7 +134,6 @@ def _tokens(model: Any, texts: list[str], batch_size: int, store: Any, key: str 
     return tok
 
 
-@torch.no_grad()
 def placement(model: Any, accelerator: Any, device: Any) -> tuple[int, int, torch.device, bool]:
     """(rank, processes, device, pin memory) of an embedding pass: the accelerator's when there
     is one, else `device`, else where the model's weights are."""
@@ -148,6 +147,7 @@ def placement(model: Any, accelerator: Any, device: Any) -> tuple[int, int, torc
     return rank, world, device, device.type == "cuda"
 
 
+@torch.no_grad()
 def embed_dataset(
     model: Any,
     ds: PairDataset,

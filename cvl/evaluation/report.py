@@ -194,6 +194,12 @@ def table_benchmarks(m: dict[str, Any]) -> tuple[list[str], list[list[str]]] | N
     return headers, rows
 
 
+def table_fomo(m: dict[str, Any]) -> tuple[list[str], list[list[str]]] | None:
+    from cvl.evaluation.fomo import table_fomo as table
+
+    return table(m)
+
+
 def sections(
     m: dict[str, Any], full: bool = True
 ) -> list[tuple[str, tuple[list[str], list[list[str]]] | None]]:
@@ -211,6 +217,11 @@ def sections(
         ("Continual summary (from the per-task R matrices)", table_continual(m)),
         ("Zero-shot classification on image folders", table_folders(m)),
         ("Benchmarks (eval sets of no task) after every checkpoint", table_benchmarks(m)),
+        (
+            "FoMo-in-Flux: knowledge accumulation (the tasks: ZS-top1 or R@5), zero-shot "
+            "retention (held-out benchmarks and image folders) and their geometric mean",
+            table_fomo(m),
+        ),
     ]
     if full:
         out.append(

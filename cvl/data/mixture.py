@@ -250,7 +250,9 @@ class Mixture:
         with and without buffer items."""
         return {
             "shares": {k: float(v) for k, v in self.shares.items()},
-            "pretrain_data": self.pretrain_path,
+            "pretrain_data": str(Path(self.pretrain_path).absolute())
+            if self.pretrain_path
+            else None,
             "global_batch": gb,
             "sizes": self.sizes(gb, True),
             "sizes_without_buffer_items": self.sizes(gb, False),

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from cvl.evaluation.fomo import table_fomo
 from cvl.io import atomic_write_bytes, write_json
 
 TABLE1 = ["TR@1", "TR@5", "TR@10", "IR@1", "IR@5", "IR@10", "Rm", "mAP@1", "mAP@5", "mAP@10"]
@@ -192,12 +193,6 @@ def table_benchmarks(m: dict[str, Any]) -> tuple[list[str], list[list[str]]] | N
             row += [f"{fmt(v.get('TR@1'))} / {fmt(v.get('IR@1'))}", fmt(v.get("Rm"))]
         rows.append(row)
     return headers, rows
-
-
-def table_fomo(m: dict[str, Any]) -> tuple[list[str], list[list[str]]] | None:
-    from cvl.evaluation.fomo import table_fomo as table
-
-    return table(m)
 
 
 def sections(

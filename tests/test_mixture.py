@@ -262,3 +262,18 @@ def test_two_processes_equal_one_with_a_mixture(synth_stream, tmp_path):
     # (no buffer items): the buffer's 4 -> 2 to the task, 2 to pretraining
     assert l1[-1]["mixture"] == {"pretrain": 4, "task": 8, "buffer": 4}
     assert l1[0]["mixture"] == {"pretrain": 6, "task": 10, "buffer": 0}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tune", ["lora", "bitfit"])
+def test_mixture_with_tune_and_a_flops_budget(tune, tiny, tmp_path):
+    """`--tune` and a tflops budget (its probe step runs on the task's first mixed batch):
+    every task trains the steps its share buys, from batches holding the split."""
+    run = tmp_path / "run"
+    argv = train_argv(tiny, run, "lwf") + ["--buffer", "reservoir", "--buffer-size", "8"]
+    argv += _mix_args(tiny, True) + ["--tune", tune, "--budget", "tflops=1e-4/task"]
+    cli(argv + ["--lr-schedule", "cosine-dyn", "--max-steps-per-task", "8"])
+    for t in ("00-t0", "01-t1", "02-t2"):
+        tj = json.loads((run / "tasks" / t / "task.json").read_text())
+        assert tj["steps"] == tj["budget"]["steps_trained"] >= 1
+        assert sum(tj["mixture"]["per_batch"].values()) == 8

@@ -19,6 +19,7 @@ import torch
 from device_helpers import dist_env, shared_device
 from reliability_helpers import build_tiny_stream, cli, train_argv, trained_methods
 from safetensors.torch import load_file
+from test_method_dha import assert_weights_close
 
 from cvl.methods.registry import all_methods
 from cvl.runs import finished_tasks
@@ -152,6 +153,11 @@ EPS_1E3 = {"incclip", "icarl"}
 # Adam's element-wise normalisation of rounding noise (see assert_weights_close). A real
 # distribution fault (a rank's gradient or rows missing) moves weights by ~lr = 5e-4 per step.
 WEIGHT_ATOL = 1e-4
+# Attention key biases get no gradient in exact arithmetic (the softmax ignores a per-query
+# shift): each run's values are pure rounding noise normalised by Adam, measured up to 6.6e-5
+# in each of zscl's runs (2026-11-25 CI: 1.2e-4 apart). Half a real step (lr / 2) still
+# catches a distribution fault.
+KEY_BIAS_ATOL = 2.5e-4
 
 
 def _argv(stream: Path, out: Path, method: str, batch: int) -> list[str]:
@@ -225,7 +231,7 @@ def test_every_method_two_processes_equal_one(method, dist_runs):
             assert abs(a[k] - b[k]) <= tol * (max(1.0, abs(a[k])) if rel else 1.0), (k, a, b)
     w1 = load_file(str(finished_tasks(root / "one" / method)[-1].model_path))
     w2 = load_file(str(finished_tasks(root / "two" / method)[-1].model_path))
-    assert_weights_close(w1, w2, atol=WEIGHT_ATOL)
+    assert_weights_close(w1, w2, atol=WEIGHT_ATOL, key_bias_atol=KEY_BIAS_ATOL)
     assert_same_step_cost(root / "one" / method, root / "two" / method)
 
 
@@ -235,19 +241,3 @@ def assert_same_step_cost(one: Path, two: Path) -> None:
         ca, cb = (json.loads((c.path / "task.json").read_text())["cost"] for c in (a, b))
         assert (ca["processes"], cb["processes"]) == (1, 2) and ca["samples"] == cb["samples"]
         assert abs(cb["flops_per_step"] - ca["flops_per_step"]) <= 0.01 * ca["flops_per_step"]
-
-
-def assert_weights_close(w1: dict, w2: dict, atol: float = 1e-5, key_bias_atol: float = 1e-4):
-    """Final weights agree within `atol`, attention *key* biases within 1e-4: their gradient
-    is zero in exact arithmetic (softmax ignores a per-query shift), so it is rounding noise
-    that Adam (eps 1e-6) normalises into updates of up to ~lr (see test_method_dha.py). The
-    same effect on other near-zero-gradient weights is why `atol` is 5e-5, not 1e-5, after
-    6 steps that move weights by ~2e-3 (the per-step losses are the 1e-5 check)."""
-    assert set(w1) == set(w2)
-    for k in w1:
-        a, b = w1[k], w2[k]
-        if k.endswith("attn.in_proj_bias"):
-            n = a.numel() // 3
-            assert torch.allclose(a[n : 2 * n], b[n : 2 * n], atol=key_bias_atol), k
-            a, b = torch.cat([a[:n], a[2 * n :]]), torch.cat([b[:n], b[2 * n :]])
-        assert torch.allclose(a, b, atol=atol), k

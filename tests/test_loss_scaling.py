@@ -85,6 +85,7 @@ def test_a_loss_scaled_run_equals_an_unscaled_one(
     assert _logs(tmp_path / "plain") == _logs(tmp_path / "scaled")
 
 
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
 def test_an_overflowed_step_gets_no_after_step(synth_stream, tmp_path, monkeypatch):
     """A scale so large that the scaled loss overflows: the scaler skips the update (and
     backs off, here to 2¹⁷), and the method's `after_step` does not run for it (SI would integrate

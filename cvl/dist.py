@@ -15,6 +15,9 @@ the collectives stay in step.
 
 Gradients are averaged by `GradReducer`: in buckets, each all-reduced asynchronously as soon
 as its gradients are ready during the backward (DDP's scheme), without wrapping the model.
+A parameter that no rank's backward reached keeps `p.grad = None`, as in one process and in
+DDP (its `local_used_map`): each all-reduce carries a "had a gradient" flag per parameter, so
+AdamW neither decays nor moves a parameter the step did not reach, whatever the processes.
 """
 
 from __future__ import annotations
@@ -134,27 +137,45 @@ def all_reduce_mean(x: torch.Tensor) -> torch.Tensor:
 # -- gradients ------------------------------------------------------------------------------
 
 
+def _used_elsewhere(params: Sequence[torch.nn.Parameter], flags: torch.Tensor) -> dict[int, bool]:
+    """For each parameter without a gradient on this rank: did any rank have one (its flag,
+    summed over ranks, > 0)? Reads the flags (a host sync) only when this rank lacks a
+    gradient: a decision local to the rank, after the collective."""
+    missing = [i for i, p in enumerate(params) if p.grad is None]
+    if not missing:
+        return {}
+    used = (flags[missing] > 0).tolist()
+    return dict(zip(missing, used))
+
+
 @torch.no_grad()
 def average_gradients(params: list[torch.nn.Parameter]) -> None:
     """Average gradients across ranks with one coalesced all_reduce, after the backward.
 
     The synchronous reference (and what per-task passes outside the training step use:
     importance passes, AFEC's expanded model); the training loop uses `GradReducer`, which
-    computes the same averages while the backward runs. Parameters without a gradient count
-    as zero.
+    computes the same averages while the backward runs. A parameter without a gradient on a
+    rank counts as zero there; one without a gradient on every rank keeps `grad = None`.
     """
     w = world_size()
-    if w == 1:
+    if w == 1 or not params:
         return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
+    had = torch.zeros(len(params), dtype=flat.dtype, device=flat.device)
+    present = [had[i : i + 1] for i, p in enumerate(params) if p.grad is not None]
+    if present:
+        torch._foreach_add_(present, 1.0)
+    flat = torch.cat([flat, had])
     dist.all_reduce(flat)
     flat /= w
+    used = _used_elsewhere(params, flat[-len(params) :])
     off = 0
-    for p, g in zip(params, grads):
+    for i, (p, g) in enumerate(zip(params, grads)):
         n = g.numel()
         if p.grad is None:
-            p.grad = flat[off : off + n].view_as(p).clone()
+            if used[i]:
+                p.grad = flat[off : off + n].view_as(p).clone()
         else:
             p.grad.copy_(flat[off : off + n].view_as(p))
         off += n
@@ -165,13 +186,14 @@ class _Bucket:
 
     def __init__(self, params: list[torch.nn.Parameter], indices: list[int]) -> None:
         self.params, self.indices = params, indices
-        self.flat = torch.empty(
-            sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device
-        )
+        n = sum(p.numel() for p in params)
+        # the gradients, then one "had a gradient" flag per parameter (reduced with them)
+        self.flat = torch.empty(n + len(params), dtype=params[0].dtype, device=params[0].device)
         self.views, off = [], 0
         for p in params:
             self.views.append(self.flat[off : off + p.numel()].view_as(p))
             off += p.numel()
+        self.flags = self.flat[n:]
         self.reset()
 
     def reset(self) -> None:
@@ -181,26 +203,35 @@ class _Bucket:
         self.sent = self.dirty = False
 
     def send(self) -> None:
-        """Copy the gradients in (missing ones as zeros) and start the all_reduce."""
+        """Copy the gradients in (missing ones as zeros, their flags 0, the others' 1) and
+        start the all_reduce (no host sync: the flags are filled on the device)."""
         if self.work is not None:  # a resend (`dirty`): the earlier reduction must finish first
             self.work.wait()
-        have = [(v, p.grad) for v, p in zip(self.views, self.params) if p.grad is not None]
+        have = [i for i, p in enumerate(self.params) if p.grad is not None]
         if len(have) < len(self.params):
             self.flat.zero_()
+            if have:
+                torch._foreach_add_([self.flags[i : i + 1] for i in have], 1.0)
+        else:
+            self.flags.fill_(1.0)
         if have:
-            torch._foreach_copy_([v for v, _ in have], [g for _, g in have])
+            grads = [self.params[i].grad for i in have]
+            torch._foreach_copy_([self.views[i] for i in have], grads)
         self.work = dist.all_reduce(self.flat, async_op=True)
         self.sent = True
 
     def finish(self, w: int) -> None:
-        """Wait for the all_reduce and write the averages into the parameters' gradients."""
+        """Wait for the all_reduce and write the averages into the parameters' gradients
+        (a parameter no rank had a gradient for keeps None)."""
         self.work.wait()
         self.work = None
         self.flat.div_(w)
+        used = _used_elsewhere(self.params, self.flags)
         dst, src = [], []
-        for v, p in zip(self.views, self.params):
+        for i, (v, p) in enumerate(zip(self.views, self.params)):
             if p.grad is None:
-                p.grad = v.clone()
+                if used[i]:
+                    p.grad = v.clone()
             else:
                 dst.append(p.grad)
                 src.append(v)
@@ -220,7 +251,7 @@ class GradReducer:
     all-reduced asynchronously while the backward goes on. Buckets are sent strictly in
     order, so every rank issues the same collectives in the same order. `finish()` sends the
     buckets that are not complete (parameters without a gradient count as zero: unused in this
-    step on this rank, as `average_gradients`), waits (on a GPU: the compute stream waits, the
+    step on this rank, as `average_gradients`; unused on every rank, they keep None), waits (on a GPU: the compute stream waits, the
     host does not), and writes the average into each `p.grad`. The collectives are the same
     on every rank: each bucket once, in order, then again (in order) each bucket that holds a
     parameter whose gradient was accumulated twice in the backward (reached twice, e.g. by a

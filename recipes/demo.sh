@@ -34,6 +34,10 @@ BUDGET=${BUDGET:-}
 SUFFIX=${BUDGET:+-budget}  # budgeted runs sit beside the unbudgeted ones
 BUF=$((PER_TASK / 4))      # replay: 5 % of the stream's 5 x PER_TASK pairs
 MEM=$((PER_TASK / 2))      # IncCLIP's memory: 10 %
+# ZSCL's weight ensemble every ~10 % of a task (ZSCL.sh: every 100 of 1,000 iterations):
+# 2 epochs of PER_TASK / 64 steps each
+ZSCL_WE=$(((2 * (PER_TASK / 64) + 5) / 10))
+ZSCL_WE=$((ZSCL_WE > 0 ? ZSCL_WE : 1))
 mkdir -p "$OUT"
 t_start=$(date +%s)
 step() { echo; echo "== [$(( $(date +%s) - t_start )) s] $* =="; }
@@ -63,7 +67,7 @@ args_of() {  # the method's CLI arguments (paper defaults; replay 5 % of the str
     incclip) echo "--method incclip --buffer reservoir --buffer-size $MEM" ;;
     der | co2l | erl) echo "--method $1 --buffer reservoir --buffer-size $BUF" ;;
     derpp) echo "--method der --method-arg derpp=true --buffer reservoir --buffer-size $BUF" ;;
-    zscl) echo "--method zscl --method-arg ref_stream=$STREAM/pretrain" ;;  # teacher: CLIP_0
+    zscl) echo "--method zscl --method-arg ref_stream=$STREAM/pretrain --method-arg we_every=$ZSCL_WE" ;;  # teacher: CLIP_0
     *) echo "--method $1" ;;
   esac
 }

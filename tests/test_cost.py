@@ -4,11 +4,13 @@ run.json / `cvl info`, and the cost columns and plot of `cvl eval --compare`."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
 import torch
 from reliability_helpers import comparable
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 from train_helpers import FAST, assert_same_task_weights, train_run
 
@@ -25,7 +27,7 @@ VIT = {
         "vision_cfg": {
             "layers": NV,
             "width": WV,
-            "head_width": 16,
+            "head_width": 24,  # 2 heads: even, so eval mode takes MHA's fused fast path
             "patch_size": PATCH,
             "image_size": IMG,
         },
@@ -102,6 +104,77 @@ def test_attention_on_the_cpu_is_counted():
     assert n == 4 * 2 * 2 * 8 * 8 * 16  # QKᵀ and AV: 2·(2·b·h·L·L·d)
     m, _ = count_flops(lambda: out.sum().backward())
     assert m == 5 * n // 2
+
+
+def analytic_forward_flops(b: int) -> int:
+    """FLOPs of one forward of VIT (batch b), no loss: the forward halves of
+    `analytic_step_flops` (patch convolution, the layers' matmuls, attention, projections)."""
+    patches, lv = (IMG // PATCH) ** 2, (IMG // PATCH) ** 2 + 1
+    conv = 2 * b * patches * (3 * PATCH * PATCH) * WV
+    linear = NV * 24 * b * lv * WV**2 + NT * 24 * b * LT * WT**2
+    linear += 2 * b * WV * E + 2 * b * WT * E
+    attn = NV * 4 * b * lv**2 * WV + NT * 4 * b * LT**2 * WT
+    return conv + linear + attn
+
+
+class _Ops(TorchDispatchMode):
+    """The op packets that run (names)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(func._overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_frozen_forward_counts_like_a_hand_count(precision, tmp_path):
+    """A frozen model's forward (eval mode, no autograd: old, teacher, reference, momentum
+    models) = the hand count 2·M·N·K, in float32 — where `nn.MultiheadAttention` takes its
+    fused fast path, whose matmuls no dispatch mode sees — and under autocast (unfused path)."""
+    from cvl.models import build_model
+
+    torch.manual_seed(0)
+    cfg = tmp_path / "vit.json"
+    cfg.write_text(json.dumps(VIT))
+    model = build_model("clip", str(cfg)).eval()
+    b = 3
+    img = torch.randn(b, 3, IMG, IMG)
+    txt = model.tokenizer(["a red square", "two blue circles", "a tiny star"])
+    amp = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else None
+    with torch.no_grad(), amp or contextlib.nullcontext():
+        n, _ = count_flops(model, img, txt)
+        with _Ops() as seen:
+            model(img, txt)
+    fused = "_native_multi_head_attention" in seen.ops
+    assert fused == (precision == "fp32")  # the fast path ran where it should (not vacuous)
+    assert n == analytic_forward_flops(b)
+
+
+def test_fused_attention_fast_paths_count_as_the_unfused_path():
+    """`aten._native_multi_head_attention` and `aten._transformer_encoder_layer_fwd` (the
+    eval-mode fast paths of `nn.MultiheadAttention` and `nn.TransformerEncoderLayer`) count
+    what their unfused paths count: the hand count of their matmuls."""
+    torch.manual_seed(0)
+    e, h, b, n = 16, 4, 2, 5
+    mha = torch.nn.MultiheadAttention(e, h, batch_first=True).eval()
+    layer = torch.nn.TransformerEncoderLayer(e, h, 24, batch_first=True).eval()
+    x = torch.randn(b, n, e)
+    counts = {}
+    with torch.no_grad():
+        with _Ops() as seen:
+            counts["fused"] = (count_flops(mha, x, x, x)[0], count_flops(layer, x)[0])
+        assert {"_native_multi_head_attention", "_transformer_encoder_layer_fwd"} <= seen.ops
+        torch.backends.mha.set_fastpath_enabled(False)
+        try:
+            counts["unfused"] = (count_flops(mha, x, x, x)[0], count_flops(layer, x)[0])
+        finally:
+            torch.backends.mha.set_fastpath_enabled(True)
+    attn = 2 * e * (3 * e) * b * n + 4 * b * n * n * e + 2 * e * e * b * n  # in, QKᵀ + AV, out
+    want = (attn, attn + 2 * 2 * e * 24 * b * n)  # + the MLP's two matmuls
+    assert counts["fused"] == counts["unfused"] == want
 
 
 def test_seqft_step_flops_match_a_hand_count(synth_stream, tmp_path):

@@ -61,8 +61,11 @@ def _losses(run):
     return out
 
 
-def run_pair(stream, tmp_path, extra: list[str]) -> tuple[list, list, dict, dict]:
-    """Train the same config with torchrun ×2 (batch 8 each) and 1 process (batch 16)."""
+def run_pair(
+    stream, tmp_path, extra: list[str], entry: tuple[str, ...] = ("-m", "cvl")
+) -> tuple[list, list, dict, dict]:
+    """Train the same config with torchrun ×2 (batch 8 each) and 1 process (batch 16);
+    `entry`: what runs (`-m cvl`, or a script taking cvl's arguments)."""
     env = dist_env(2)
     common = ["train", "--stream", str(stream), *ARGS, "--device", shared_device(2), *extra]
     two = [
@@ -73,8 +76,7 @@ def run_pair(stream, tmp_path, extra: list[str]) -> tuple[list, list, dict, dict
         "2",
         "--master_port",
         str(_free_port()),
-        "-m",
-        "cvl",
+        *entry,
         *common,
         "--batch-size",
         "8",
@@ -83,8 +85,7 @@ def run_pair(stream, tmp_path, extra: list[str]) -> tuple[list, list, dict, dict
     ]
     one = [
         sys.executable,
-        "-m",
-        "cvl",
+        *entry,
         *common,
         "--batch-size",
         "16",
@@ -125,6 +126,24 @@ def test_two_processes_equal_one_with_double_batch(synth_stream, tmp_path):
     )
     assert_equivalent(l1, l2, w1, w2, keys=("loss", "itc"))
     assert_same_step_cost(tmp_path / "one", tmp_path / "two")
+
+
+@pytest.mark.slow
+def test_a_parameter_no_step_reaches_is_left_alone_by_two_processes(synth_stream, tmp_path):
+    """A trainable 2-D parameter that no loss reaches (tests/unused_param_run.py), weight decay
+    on: one process leaves its gradient None and AdamW skips it; 2 processes must too (a
+    zero gradient from the reduction would let AdamW decay it, in multi-process runs only)."""
+    from unused_param_run import UNUSED, unused_init
+
+    entry = (str(HERE / "unused_param_run.py"),)
+    extra = ["--method", "seqft", "--weight-decay", "0.5"]
+    l1, l2, w1, w2 = run_pair(synth_stream, tmp_path, extra, entry=entry)
+    assert torch.equal(w1[UNUSED], unused_init())  # one process: untouched
+    assert torch.equal(w2[UNUSED], unused_init())  # 2 processes: untouched too
+    assert len(l1) == len(l2) > 0
+    for a, b in zip(l1, l2):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5, (a, b)
+    assert_weights_close(w1, w2, atol=WEIGHT_ATOL)
 
 
 @pytest.mark.slow

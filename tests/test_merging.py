@@ -133,6 +133,15 @@ def test_ties_trim_elect_disjoint_mean_by_hand():
     assert two["x"].tolist() == [4.0, 1.0] and two["y"].tolist() == [0.0, -3.0]
 
 
+def test_ties_trim_threshold_in_the_vectors_own_dtype():
+    """float64 entries 1 and 1 + 1e-10 are one float32 value: the threshold found in float32
+    would keep both with 5 (three entries); in float64 (the code's kthvalue) it keeps two."""
+    tau = {"w": torch.tensor([0.1, 1.0, 1.0 + 1e-10, 5.0], dtype=torch.float64)}
+    kept = trim_top_k(tau, 0.25)["w"]  # k = 4 − int(4·¼) = 3rd smallest |x| = 1 + 1e-10
+    assert kept.dtype == torch.float64
+    assert kept.tolist() == [0.0, 0.0, 1.0 + 1e-10, 5.0]
+
+
 def test_ties_method_deploys_initial_plus_lambda_merge():
     s = Stream(TIES({"k": 1.0, "lam": 0.5}))
     s.begin()

@@ -276,23 +276,35 @@ def test_wise_interpolates_and_passes_arguments_to_the_base():
         WiSE({"alpha": 1.5})
 
 
-def test_zscl_weight_ensemble_follows_the_code_schedule():
-    """we_every = 2 over 4 steps: averaged after steps 1 and 3 (the code's iterations 0, 2)
-    and after the last one, starting from the task's start: mean(θ₀, θ₁, θ₃, θ₄)."""
+@pytest.mark.parametrize(
+    "steps, we_last, want, n",
+    [
+        # the code: averaged after steps 1 and 3 only (its iterations 0 and 2), never step 4
+        (4, False, (0 + 3 + 6) / 3, 3),
+        (5, False, (0 + 3 + 6 + 12) / 4, 4),  # step 5 (iteration 4) is a multiple: averaged
+        (4, True, (0 + 3 + 6 + 9) / 4, 4),  # we_last: the final weights join at the task's end
+        (5, True, (0 + 3 + 6 + 12) / 4, 4),  # ... once
+    ],
+)
+def test_zscl_weight_ensemble_follows_the_code_schedule(steps, we_last, want, n):
+    """we_every = 2: θ̂ starts at the task's start θ₀ and averages in the weights after steps
+    1, 3, 5, … (the code's `iteration % avg_freq == 0` over iterations 0, 1, …): the last
+    step's weights only when it is one of them, unless `we_last`."""
     lin = torch.nn.Linear(1, 1, bias=False)
     with torch.no_grad():
         lin.weight.fill_(0.0)
-    m = ZSCL({"ref_stream": "unused", "we_every": 2, "teacher": "previous", "l2": 0})
-    ctx = SimpleNamespace(model=lin, previous_model=lambda: None, step=0, steps_in_task=4)
+    args = {"ref_stream": "unused", "we_every": 2, "teacher": "previous", "l2": 0}
+    m = ZSCL({**args, "we_last": we_last})
+    ctx = SimpleNamespace(model=lin, previous_model=lambda: None, step=0, steps_in_task=steps)
     m.before_task(ctx)  # θ̂ = θ₀ = 0
-    for step, val in ((1, 3.0), (2, 100.0), (3, 6.0), (4, 9.0)):
+    for step, val in list(((1, 3.0), (2, 100.0), (3, 6.0), (4, 9.0), (5, 12.0)))[:steps]:
         with torch.no_grad():
             lin.weight.fill_(val)
         ctx.step = step
-        m.after_step(ctx)  # step 2 is not averaged; the last step only by after_task, once
+        m.after_step(ctx)
     m.after_task(ctx)
-    assert float(lin.weight.detach()) == pytest.approx((0 + 3 + 6 + 9) / 4)
-    assert m.own_state()["we_n"] == 4
+    assert float(lin.weight.detach()) == pytest.approx(want)
+    assert m.own_state()["we_n"] == n
 
 
 # ZSCL's distillation on 3 reference pairs (2-d unit features), teacher scale 2, student 3:

@@ -14,9 +14,9 @@ tensor, frozen models in the training precision, gradients reduced during the ba
 - Precision: with `--precision bf16` (CPU autocast) the frozen models' linear layers (old,
   reference, momentum, teacher) compute in bf16 during the steps, like the training model.
 - Gradient reduction, 2 processes: `GradReducer` gives `average_gradients`' result (bitwise
-  with 2 ranks) with gradient accumulation, unused and rank-dependent parameters, extra
-  parameters, several buckets, a skipped step and a parameter reached twice in a backward,
-  and sends buckets while the backward runs.
+  with 2 ranks) with gradient accumulation, unused (no gradient: None) and rank-dependent
+  parameters, extra parameters, several buckets, a skipped step and a parameter reached twice
+  in a backward, and sends buckets while the backward runs.
 """
 
 from __future__ import annotations
@@ -262,7 +262,7 @@ def _reducer_checks(rank: int) -> None:
         def __init__(self) -> None:
             super().__init__()
             self.a, self.b = torch.nn.Linear(6, 8), torch.nn.Linear(8, 4)
-            self.unused = torch.nn.Linear(3, 3)  # never reached: zero on every rank
+            self.unused = torch.nn.Linear(3, 3)  # never reached: None on every rank
             self.only0 = torch.nn.Parameter(torch.ones(4))  # reached on rank 0 only
 
         def forward(self, x: torch.Tensor, twice: bool) -> torch.Tensor:
@@ -316,6 +316,9 @@ def _reducer_checks(rank: int) -> None:
             for p0, p1 in zip(*params):
                 assert (p0.grad is None) == (p1.grad is None)
                 assert p0.grad is None or torch.equal(p0.grad, p1.grad), step
+            for net in nets:  # no rank reached `unused`: no gradient (as DDP, as 1 process)
+                assert all(p.grad is None for p in net.unused.parameters()), step
+                assert net.only0.grad is not None  # reached on rank 0: averaged on both
         for ps in params:
             for p in ps:
                 p.grad = None

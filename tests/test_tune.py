@@ -172,7 +172,8 @@ def test_merged_equals_unmerged_forward(config, mode):
 
 def test_adapters_reach_fused_and_directly_read_weights():
     """open_clip's fused in_proj_weight (ViT, text) and the ResNet attention pool's q/k/v,
-    which it passes to F.multi_head_attention_forward itself (peft's wrapping misses both)."""
+    which it passes to F.multi_head_attention_forward itself (peft misses the latter:
+    tests/test_tune_peft.py)."""
     model = build_model("clip", "tiny")
     Tuning("lora").apply(model, seed=0)
     names = {n for n, _, _ in adapted(model)}

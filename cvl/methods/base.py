@@ -8,8 +8,10 @@ momentum or historical models, queues, importance weights). Replay buffers are s
 Hook order per task: `before_task` → for every step [`before_step` → forward →
 `loss` → backward (per micro-batch) → gradients averaged over ranks → `after_backward` →
 clipping → optimizer step → `after_step`] → `after_task`. `after_backward` sees the averaged
-gradient of the loss terms (e.g. SI's unregularised gradient) and may add to `p.grad` (an
-analytic penalty gradient) before clipping and the step. On resume mid-task the loop calls
+gradient of the loss terms (e.g. SI's unregularised gradient; with fp16 already unscaled) and
+may add to `p.grad` (an analytic penalty gradient) before clipping and the step. A step
+without an update (a non-finite loss under `--skip-nonfinite`, an fp16 overflow that the loss
+scaler skips) gets no `after_step`. On resume mid-task the loop calls
 `before_task(ctx)` (with `ctx.resuming` True) and then `load_state_dict(saved)`, so state that
 evolves during a task (momentum/historical models, queues) must be in `state_dict()`; state
 fixed at task start (the previous task's model) is rebuilt by `before_task` from disk through

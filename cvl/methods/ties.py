@@ -35,10 +35,12 @@ def trim_top_k(tau: Weights, k: float) -> Weights:
     """τ with all but its top-k fraction of entries (by |value|, over all tensors) set to 0."""
     if k >= 1.0:
         return dict(tau)
-    flat = torch.cat([v.detach().abs().flatten().float().cpu() for v in tau.values()])
+    # in the vectors' own dtype (torch.cat promotes mixed ones), as the code's kthvalue: a
+    # cast would merge distinct magnitudes (float64 → float32) and move the threshold
+    flat = torch.cat([v.detach().abs().flatten().cpu() for v in tau.values()])
     d = flat.numel()
     kth = flat.kthvalue(max(1, d - int(d * k))).values  # the code's k = d − int(d·K)
-    return {n: v * (v.abs() >= kth.to(v.device, v.dtype)) for n, v in tau.items()}
+    return {n: v * (v.abs() >= kth.to(v.device)) for n, v in tau.items()}
 
 
 @torch.no_grad()

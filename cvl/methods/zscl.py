@@ -27,10 +27,14 @@ reference set, an L2 pull to the task's starting weights, and a weight ensemble 
   task's checkpoint); its gradient 2·l2·(θ − θ*) is added after backward (not
   backpropagated), logged as `zscl_l2`.
 - **Weight ensemble (WE)**: θ̂ ← (n·θ̂ + θ)/(n + 1), n ← n + 1, starting from θ̂ = the weights
-  at the task's start (n = 1), after optimizer steps 1, 1 + k, 1 + 2k, … (the code averages at
-  iterations 0, 100, … after that iteration's update) and after the task's last step; the
-  model becomes θ̂ at the task's end. k = `we_every` = 100 (`--avg_freq 100`); 0 turns WE off.
-  θ̂ and n are method state (resumable).
+  at the task's start (n = 1), after optimizer steps 1, 1 + k, 1 + 2k, … only (the code's
+  loop averages at iterations 0, 100, … after that iteration's update, `iteration %
+  args.avg_freq == 0`); the model becomes θ̂ at the task's end. So the last step's weights
+  join θ̂ only when it is such a step (ZSCL.sh: 1,001 updates, `--iterations 1000`, averaged
+  at 0, 100, …, 1000); `we_last=true` averages them in at the task's end otherwise too
+  (cvl's earlier rule). k = `we_every` = 100 (`--avg_freq 100`; a task of fewer than 101
+  steps then averages only its start and its first step: scale k to the task: the script
+  averages in 11 of its 1,001 updates); 0 turns WE off. θ̂ and n are method state (resumable).
 
 Total: the base method's loss + `weight`·L_ref (+ the L2 term).
 
@@ -41,7 +45,8 @@ code's T² factor, Hinton et al.'s; false), `directions` (`sum`: both terms with
 code's `--image_loss --text_loss`; `mean`: their average, cvl's earlier; `image`: the image →
 text term only, `--image_loss` alone), `pairing` (`teacher_text`: the code; `student`: the
 student's own text features in its logits, distilling both towers), `scale` (`teacher`: the
-code; `own`: each model's), `we_every` (100, `--avg_freq`; cvl used 10), `l2` (1, the
+code; `own`: each model's), `we_every` (100, `--avg_freq`; cvl used 10), `we_last` (false: the
+code; true: the final weights always join, as cvl had it), `l2` (1, the
 script's `--l2 1`; 0 = off, as cvl had it). The paper's text was not available here to check
 its own equations against the code (the temperature, the L2 and the pairing are not visible
 in its abstract); what is stated above of the code was read in `finetune.py` and
@@ -118,6 +123,7 @@ class ZSCL(Wrapper):
         "pairing": "teacher_text",
         "scale": "teacher",
         "we_every": 100,
+        "we_last": False,
         "l2": 1.0,
     }
 
@@ -248,15 +254,20 @@ class ZSCL(Wrapper):
             a.mul_(n / (n + 1)).add_(v.to(a.device), alpha=1.0 / (n + 1))
         self.n_avg = n + 1
 
+    def _averages_after(self, step: int) -> bool:
+        """The code's rule: after steps 1, 1 + k, 1 + 2k, … (its iterations 0, k, 2k, …)."""
+        every = self.args["we_every"]
+        return every > 0 and step >= 1 and (step - 1) % every == 0
+
     def after_step(self, ctx: TaskContext) -> None:
         super().after_step(ctx)
-        every = self.args["we_every"]
-        if every > 0 and (ctx.step - 1) % every == 0 and ctx.step < ctx.steps_in_task:
+        if self._averages_after(ctx.step):
             self._average_in(ctx)
 
     def after_task(self, ctx: TaskContext) -> None:
         if self.args["we_every"] > 0 and self.avg is not None:
-            self._average_in(ctx)  # the final weights join the ensemble
+            if self.args["we_last"] and not self._averages_after(ctx.step):
+                self._average_in(ctx)  # we_last: the final weights join the ensemble
             write_(ctx.model, self.avg)  # the model becomes θ̂
         self.anchor = None
         super().after_task(ctx)

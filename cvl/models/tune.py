@@ -28,7 +28,10 @@ tensors, so they work on any Parameter however the module reads it: open_clip's 
 `in_proj_weight` of `nn.MultiheadAttention` (read inside `F.multi_head_attention_forward`),
 the attention-pool projections its ResNet tower passes to that function, timm's and the fusion
 BERT's `nn.Linear` weights, convolutions (`targets=conv`: ΔW = (B·A) reshaped, peft's conv
-LoRA). peft wraps modules instead and misses weights read directly (the two cases above).
+LoRA). peft (0.21) adapts the fused in-projection too (its `lora.MultiheadAttention`, or
+`target_parameters`) and equals this there, on Linear and on Conv2d (tests/test_tune_peft.py);
+it leaves the attention pool's directly read weights unadapted, refuses DoRA on attention and
+applies its MultiheadAttention's out-projection delta twice (README).
 Targets: `linear` (every `nn.Linear` weight and MultiheadAttention in-projection), `attn` /
 `mlp` (those whose name contains `attn`/`attention`, or not), `conv`, or shell patterns over
 parameter names (`targets=*visual*in_proj_weight`); several joined with `+`. Tied weights

@@ -160,7 +160,13 @@ _OPTS = [
     "--grad-accum", type=int, default=1, show_default=True, help="Micro-batches per optimizer step."
 )
 @click.option(
-    "--precision", default="no", show_default=True, type=click.Choice(["no", "bf16", "fp16"])
+    "--precision",
+    default="no",
+    show_default=True,
+    type=click.Choice(["no", "bf16", "fp16"]),
+    help="Mixed precision: no = float32; bf16 = bfloat16 autocast (CPU and GPU); fp16 = "
+    "float16 autocast with loss scaling (GPU only; gradients are unscaled before a method's "
+    "after_backward).",
 )
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option(

@@ -2,9 +2,14 @@
 
 **FLOPs** are counted by a dispatch mode with torch's own FLOP formulas
 (`torch.utils.flop_counter`'s registry: the matmuls, convolutions and attention kernels, forward
-and backward; element-wise ops count zero), plus the CPU's fused attention kernels, which the
-registry lacks. `FlopCounterMode` itself also tracks modules and tries to decompose every
-unregistered op, several times the overhead; the counts are the same (tests/test_cost.py).
+and backward; element-wise ops count zero), plus what the registry lacks: the CPU's fused
+attention kernels and the fused inference fast paths of `nn.MultiheadAttention` and
+`nn.TransformerEncoderLayer`, which every frozen model (old, teacher, reference, momentum:
+eval mode, no autograd) takes in float32 and which hide their matmuls from dispatch modes;
+they are counted as the unfused path that training and autocast run, so a frozen forward
+counts the same in every precision. `FlopCounterMode` itself also tracks modules and tries
+to decompose every unregistered op, several times the overhead; the counts are the same
+(tests/test_cost.py).
 Counting costs little because it runs rarely:
 
 - **the step**: one optimizer step per task is counted (the first of the task: `before_step`,
@@ -53,13 +58,61 @@ from torch.utils._python_dispatch import TorchDispatchMode
 GIGA, TERA = 1e9, 1e12
 
 
+def _lengths(x: torch.Tensor) -> list[int]:
+    """Sequence length of each batch item of a batch-first (B, L, E) tensor, or of a nested
+    tensor's components (the fast paths accept both)."""
+    if x.is_nested:
+        return [int(c.shape[0]) for c in x.unbind()]
+    return [int(x.shape[-2])] * (int(x.shape[0]) if x.dim() == 3 else 1)
+
+
+def _mha_flops(q: torch.Tensor, k: torch.Tensor, e: int) -> int:
+    """Multi-head attention of width `e`, as the unfused path computes it: the in-projection
+    of the queries and of the keys and values (2·e² per row each, packed or not), QKᵀ and AV
+    (2·Lq·Lk·e each per batch item) and the out-projection (2·e² per query row)."""
+    lq, lk = _lengths(q), _lengths(k)
+    proj = 2 * e * e * (2 * sum(lq) + 2 * sum(lk))
+    return proj + 4 * e * sum(a * b for a, b in zip(lq, lk))
+
+
+def native_mha_flop(query, key, value, embed_dim, *args, out_val=None, **kwargs) -> int:  # noqa: ANN001
+    """`aten._native_multi_head_attention`: `nn.MultiheadAttention`'s fused fast path (eval
+    mode, no autograd, no autocast: every frozen model's forward). Counted as the ops the
+    unfused path runs (`F.multi_head_attention_forward`), so a frozen forward counts the same
+    in every precision (autocast and training take the unfused path)."""
+    return _mha_flops(query, key, int(embed_dim))
+
+
+def native_encoder_layer_flop(src, embed_dim, *args, out_val=None, **kwargs) -> int:  # noqa: ANN001
+    """`aten._transformer_encoder_layer_fwd` (`nn.TransformerEncoderLayer`'s fast path):
+    self-attention as `native_mha_flop` plus the MLP's two matmuls (2·e·f per row each)."""
+    ffn1 = kwargs.get("ffn_weight_1", args[12] if len(args) > 12 else None)
+    f = int(ffn1.shape[0]) if ffn1 is not None else 0
+    rows = sum(_lengths(src))
+    return _mha_flops(src, src, int(embed_dim)) + 4 * rows * int(embed_dim) * f
+
+
+for _f in (native_mha_flop, native_encoder_layer_flop):
+    _f._get_raw = True  # takes the tensors, not their shapes (FlopCounterMode's convention)
+
+
 def _formulas() -> dict[Any, Any]:
-    """torch's FLOP formulas by op packet, plus the CPU flash-attention kernels (same shapes
-    and FLOPs as the CUDA flash kernels torch registers)."""
+    """torch's FLOP formulas by op packet, plus what its registry lacks: the CPU
+    flash-attention kernels (same shapes and FLOPs as the CUDA flash kernels torch registers)
+    and the fused inference fast paths of `nn.MultiheadAttention` and
+    `nn.TransformerEncoderLayer` (their kernels call the matmuls below the dispatcher, where
+    no dispatch mode sees them)."""
     from torch.utils.flop_counter import flop_registry
 
     aten = torch.ops.aten
     reg = dict(flop_registry)
+    fused = {
+        "_native_multi_head_attention": native_mha_flop,
+        "_transformer_encoder_layer_fwd": native_encoder_layer_flop,
+    }
+    for name, f in fused.items():
+        if hasattr(aten, name):
+            reg[getattr(aten, name)] = f
     cpu = {
         "_scaled_dot_product_flash_attention_for_cpu": aten._scaled_dot_product_flash_attention,
         "_scaled_dot_product_flash_attention_for_cpu_backward": (

@@ -131,7 +131,14 @@ class Trainer(RunFolder, NonFiniteGuards):
         self.progress = progress
         log_with = self._trackers(cfg.log_with)
         # before the model reaches a GPU: the cuBLAS workspace is fixed at its first call
-        self.deterministic = apply_determinism(cfg.deterministic, launch_device(cfg.device))
+        dev = launch_device(cfg.device)
+        if cfg.precision == "fp16" and dev.type == "cpu":
+            raise CvlError(
+                "--precision fp16 needs a GPU: on the CPU Accelerate applies neither float16 "
+                "autocast nor loss scaling, so the run would train in float32; use "
+                "--precision bf16 (CPU autocast) or no"
+            )
+        self.deterministic = apply_determinism(cfg.deterministic, dev)
         try:
             self.acc = accelerator(
                 cfg.device,
@@ -325,12 +332,29 @@ class Trainer(RunFolder, NonFiniteGuards):
             raise CvlError(f"method '{self.cfg.method}' returned no loss terms")
         return terms, sum(terms.values())
 
-    def _update(self, ctx: TaskContext, opt: Any, params: list, clip: Any, reduce: Any) -> Any:
+    def _update(
+        self,
+        ctx: TaskContext,
+        opt: Any,
+        params: list,
+        clip: Any,
+        reduce: Any,
+        scaler: Any = None,
+    ) -> Any:
         """Gradients averaged over ranks (`reduce`: the overlapped GradReducer's `finish`, or
         `average_gradients` for a probe, which leaves the reducer untouched), the method's
-        `after_backward`, clipping (`clip`: the accelerator's, or torch's for a probe) and the
-        optimizer step; the grad norm."""
+        `after_backward`, clipping (`clip`: torch's) and the optimizer step; the grad norm.
+
+        `scaler` (fp16's GradScaler, the loop's): the gradients are unscaled once, before
+        `after_backward`, so a method reads and adds to true gradients (EWC's penalty
+        gradient, SI's path integral, ZSCL's L2) and clipping sees them too; the step then
+        only checks for overflow (`scaler.step` does not unscale twice). Only this task's
+        optimizer is unscaled (Accelerate's `unscale_gradients` would unscale every optimizer
+        it was given, earlier tasks' too, which hold the same parameters).
+        """
         reduce(params)
+        if scaler is not None:
+            scaler.unscale_(getattr(opt, "optimizer", opt))  # the AcceleratedOptimizer's own
         self.method.after_backward(ctx)
         gnorm = clip(params, self.cfg.grad_clip) if self.cfg.grad_clip > 0 else None
         opt.step()
@@ -342,6 +366,8 @@ class Trainer(RunFolder, NonFiniteGuards):
 
     def _optimizer(self, steps: int, lr_lambda: Any = None):
         opt, sched = optimizer_with_schedule(self._params(), self.cfg, steps, lr_lambda)
+        # the previous task's optimizer (and its moments) leaves the accelerator's list
+        self.acc.free_memory()
         self._opt = self.acc.prepare_optimizer(opt, device_placement=False)
         return self._opt, sched
 
@@ -465,10 +491,11 @@ class Trainer(RunFolder, NonFiniteGuards):
                 params = self._params()
                 gnorm = None
                 lr = opt.param_groups[0]["lr"]
+                overflow = False
                 if not skip_step:
-                    gnorm = self._update(
-                        ctx, opt, params, acc.clip_grad_norm_, self._reducer.finish
-                    )
+                    clip = torch.nn.utils.clip_grad_norm_
+                    gnorm = self._update(ctx, opt, params, clip, self._reducer.finish, acc.scaler)
+                    overflow = bool(getattr(opt, "step_was_skipped", False))  # fp16 inf/NaN
                 sched.step()
                 opt.zero_grad(set_to_none=True)
                 ctx.step += 1
@@ -478,7 +505,8 @@ class Trainer(RunFolder, NonFiniteGuards):
                     window.skipped += 1
                     window.skipped_terms = {k: float(v.detach()) for k, v in terms.items()}
                 else:
-                    self.method.after_step(ctx)
+                    if not overflow:  # the scaler skipped the update: nothing moved
+                        self.method.after_step(ctx)
                     window.add_step(gnorm)
                 if count_step:
                     self.cost.stop_step()

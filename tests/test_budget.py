@@ -254,6 +254,30 @@ def test_tensors_memory_of_a_linear_step_by_hand():
     assert mem.value == 60 + 12 + 2 * 12
 
 
+def test_device_memory_reads_the_device_less_what_is_not_the_stage(monkeypatch):
+    """memory=device (FoMo-in-Flux's nvidia-smi reading), its arithmetic with torch.cuda
+    stubbed (no GPU needed): used = total − free after the stage; the reference takes out the
+    live tensors that are not its own; moments are added for a stage without an update."""
+    from cvl.train import memory as mm
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 1000)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (7000, 10000))
+    p = torch.zeros(5)  # 20 bytes trained: moments 40
+    dev = torch.device("cuda")
+    with mm.StageMemory("device", dev, [p], [p], moments_allocated=True) as step:
+        pass
+    assert step.value == 3000
+    with mm.StageMemory("device", dev, [p], [p], False, exclude_live=True) as ref:
+        pass
+    assert ref.value == 3000 - 1000 + 40  # p is on the CPU here: none of the live bytes is its
+    with pytest.raises(CvlError, match="memory=device reads CUDA"):
+        mm.resolve_measure("device", torch.device("cpu"))
+    assert mm.resolve_measure("auto", torch.device("cpu")) == "tensors"
+    assert mm.resolve_measure("auto", dev) == "device"
+
+
 def _budget_rec(run, i: int = 1) -> dict:
     return _task_json(run, i)["budget"]
 

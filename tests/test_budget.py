@@ -141,7 +141,14 @@ def test_maf_steps_reproduce_fomo_in_flux_table_4(method):
         share = task_share(total, counts, 0, n_tasks, False, opts["split"])
         per_step, per_task = charged_cost(gflops, 0.0, mult, opts["extras"])
         assert derive_steps(share - per_task, per_step, 10**9, opts["rounding"])[0] == steps
-    if method == "full-ft":  # with ⌊·⌋ full fine-tuning would lose its 1,420th step
+    if method == "full-ft":
+        # the configs (continualfomo_default.yaml: 20 tasks, n_samples 727,040, batch 512)
+        # give 1,420 steps per task: 28,400 steps of full fine-tuning, 1.8004·10^9 GFLOPs
+        steps_cfg = 727040 // 512
+        total_cfg = 20 * steps_cfg * gflops
+        assert steps_cfg == 1420 and total_cfg == pytest.approx(1.8e9, rel=3e-4)
+        assert derive_steps(total_cfg / 20, gflops, 10**9, "floor")[0] == 1420
+        # at the table's round 1.8·10^9, ⌊·⌋ would lose the 1,420th step: to nearest keeps it
         assert derive_steps(1.8e9 / 20, gflops, 10**9, "floor")[0] == 1419
 
 

@@ -21,6 +21,7 @@ from device_helpers import dist_env
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 PAPER_RECIPES = ["ctp_p9d.sh", "incclip_cc12m.sh", "modx.sh", "dha_citm.sh", "dkr.sh"]
+FOMO = "fomo.sh"  # FoMo-in-Flux-style study (test_fomo_smoke)
 
 
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
@@ -34,7 +35,7 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
     return {**os.environ, **env}
 
 
-@pytest.mark.parametrize("name", PAPER_RECIPES)
+@pytest.mark.parametrize("name", [*PAPER_RECIPES, FOMO])
 def test_recipe_is_valid_bash_with_help(name, tmp_path):
     """`bash -n` parses it; --help prints its header and the common options, exit 0."""
     path = RECIPES / name
@@ -147,3 +148,30 @@ def test_recipe_smoke(name, tmp_path):
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         run = json.loads((tmp_path / "two" / "runs" / "dha" / "run.json").read_text())
         assert run["processes"] == 2 and run["config"]["batch_size"] == 4  # smoke: global 8
+
+
+@pytest.mark.recipes
+def test_fomo_smoke(tmp_path):
+    """`recipes/fomo.sh --smoke`: CLIP_0 on a synthetic pretraining set, then three runs (no
+    mixture + per-task cosine; the mixture + the cosine and the rsqrt autoregressive
+    meta-schedules) at the same 12 steps per task on 3 adaptation tasks with 2 held-out
+    benchmarks; compare.json has one row per run with finite A_KA, A_ZS and GM; the mixed
+    runs record their split (FoMo's first-task rule on task 0)."""
+    out = tmp_path / "out"
+    cmd = ["bash", str(RECIPES / FOMO), "--smoke", "--out", str(out)]
+    r = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    cj = json.loads((out / "compare" / "compare.json").read_text())
+    assert [row["run"] for row in cj["runs"]] == ["ft", "mix-ar", "mix-rsqrt-ar"]
+    for row in cj["runs"]:
+        for col in ("A_KA", "A_ZS", "GM (FoMo)"):
+            assert 0.0 <= row[col] <= 100.0, (col, row)
+        assert abs(row["GM (FoMo)"] ** 2 - row["A_KA"] * row["A_ZS"]) < 1e-6
+    m = json.loads((out / "runs" / "mix-ar" / "eval" / "metrics.json").read_text())
+    assert m["fomo"]["held_out"] == ["held-t3", "held-t4"] and m["fomo"]["rows"][0] == "init"
+    for run in ("mix-ar", "mix-rsqrt-ar"):
+        rj = json.loads((out / "runs" / run / "run.json").read_text())
+        assert rj["mixture"]["sizes"] == {"pretrain": 3, "task": 3, "buffer": 2}  # 8 · 0.33...
+        t0 = json.loads((out / "runs" / run / "tasks" / "00-t0" / "task.json").read_text())
+        assert t0["mixture"]["per_batch"] == {"pretrain": 4, "task": 4, "buffer": 0}
+        assert t0["steps"] == 12

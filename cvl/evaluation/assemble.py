@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from cvl import __version__
 from cvl.evaluation import continual
 from cvl.evaluation.checkpoint import pairs_set, zs_templates_name
+from cvl.evaluation.fomo import fomo_summary
 from cvl.evaluation.options import PRECISION_NOTES, EvalOptions
 
 if TYPE_CHECKING:
@@ -129,7 +130,7 @@ def build_metrics(
         "precision": f"{opts.precision}: {PRECISION_NOTES[opts.precision]}",
     }
     cfg = run_d.get("config") or {}
-    return {
+    out = {
         "schema": EVAL_SCHEMA,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "cvl_version": __version__,
@@ -160,6 +161,8 @@ def build_metrics(
         # on it beyond float rounding; cached rows keep the values of the run that made them
         "runtime": {c.label: results[c.label].get("runtime") for c in cks if c.label in results},
     }
+    out["fomo"] = fomo_summary(out)  # FoMo-in-Flux: knowledge accumulation, zero-shot retention
+    return out
 
 
 def benchmark_tables(

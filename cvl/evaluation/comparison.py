@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from cvl.evaluation.fomo import COMPARE_COLS as FOMO_COLS
+from cvl.evaluation.fomo import compare_values as fomo_values
 from cvl.evaluation.report import (
     TABLE1,
     _csv_bytes,
@@ -74,6 +76,7 @@ def compare_records(ms: Sequence[dict[str, Any]]) -> tuple[list[str], list[dict[
     COCO 5K, Flickr30K 1K, ...)."""
     bench = benchmark_names(ms)
     headers = ["run", "method", *TABLE1, *(c for c, *_ in COMPARE_CONTINUAL)]
+    headers += [c for c, _ in FOMO_COLS]  # FoMo-in-Flux's A_KA, A_ZS, GM (cvl.evaluation.fomo)
     headers += [c for c, *_ in COST_COLS]
     headers += [f"{b} {k}" for b in bench for k in BENCH_METRICS]
     recs = []
@@ -83,6 +86,7 @@ def compare_records(ms: Sequence[dict[str, Any]]) -> tuple[list[str], list[dict[
         rec.update({k: fin.get(k) for k in TABLE1})
         for col, metric, field_, _ in COMPARE_CONTINUAL:
             rec[col] = (cont.get(metric) or {}).get(field_)
+        rec.update(fomo_values(m))
         for b in bench:
             bm = (m.get("benchmarks") or {}).get(b) or {}
             for k in BENCH_METRICS:

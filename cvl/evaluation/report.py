@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from cvl.evaluation.fomo import table_fomo
 from cvl.io import atomic_write_bytes, write_json
 
 TABLE1 = ["TR@1", "TR@5", "TR@10", "IR@1", "IR@5", "IR@10", "Rm", "mAP@1", "mAP@5", "mAP@10"]
@@ -211,6 +212,11 @@ def sections(
         ("Continual summary (from the per-task R matrices)", table_continual(m)),
         ("Zero-shot classification on image folders", table_folders(m)),
         ("Benchmarks (eval sets of no task) after every checkpoint", table_benchmarks(m)),
+        (
+            "FoMo-in-Flux: knowledge accumulation (the tasks: ZS-top1 or R@5), zero-shot "
+            "retention (held-out benchmarks and image folders) and their geometric mean",
+            table_fomo(m),
+        ),
     ]
     if full:
         out.append(

@@ -46,6 +46,8 @@ class TaskContext:
     step: int = 0  # optimizer steps taken in this task
     global_step: int = 0
     steps_in_task: int = 0
+    #: the task's multiplier of --lr per step (`--lr-schedule`, cvl.train.schedules)
+    lr_lambda: Any = None
     resuming: bool = False
     #: True while the loop measures a step it then undoes (`cvl.train.budget.probe_step`):
     #: work that is not part of a step (AFEC's per-epoch expanded model) may be skipped.
@@ -149,10 +151,15 @@ class Method:
     def setup(self, ctx: TaskContext) -> None:
         """Once per run, after the model exists (before the first task or after a resume)."""
 
+    def own_entries(self, ctx: TaskContext) -> list:
+        """This task's training samples without the buffer's: the task source of a
+        `--mixture` (which draws the buffer's items as a source of their own)."""
+        return list(ctx.task_entries)
+
     def task_entries(self, ctx: TaskContext) -> list:
         """Training samples of this task: its own data plus the replay buffer's items."""
         extra = ctx.buffer.entries() if ctx.buffer is not None else []
-        return list(ctx.task_entries) + list(extra)
+        return self.own_entries(ctx) + list(extra)
 
     def before_task(self, ctx: TaskContext) -> None:
         pass
@@ -219,6 +226,9 @@ class Wrapper(Method):
     # -- every hook goes to the base method ---------------------------------------------------
     def setup(self, ctx: TaskContext) -> None:
         self.inner.setup(ctx)
+
+    def own_entries(self, ctx: TaskContext) -> list:
+        return self.inner.own_entries(ctx)
 
     def task_entries(self, ctx: TaskContext) -> list:
         return self.inner.task_entries(ctx)

@@ -21,7 +21,10 @@ class Joint(Method):
     def single_task(self) -> bool:
         return not self.args["cumulative"]
 
-    def task_entries(self, ctx: TaskContext) -> list:
+    def own_entries(self, ctx: TaskContext) -> list:
         order = ctx.manifest.task_order
         seen = order if self.single_task else order[: ctx.task_index + 1]
         return [e for t in seen for e in ctx.services.entries_of(t)]
+
+    def task_entries(self, ctx: TaskContext) -> list:
+        return self.own_entries(ctx)  # no replay: the union already holds every task

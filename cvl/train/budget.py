@@ -212,10 +212,10 @@ def _fork_rng(device: torch.device):  # noqa: ANN202
 def _first_batches(trainer: Any, ctx: Any, ds: Any, gb: int) -> list[dict]:
     """This rank's micro-batches of the task's first optimizer step (epoch 0)."""
     from cvl.data.augment import device_images
-    from cvl.data.reader import global_batches, make_loader, sample_seed
+    from cvl.data.reader import make_loader
 
     cfg, acc = trainer.cfg, trainer.acc
-    bs = global_batches(len(ds), gb, sample_seed(cfg.seed, ctx.task_index), 0)[: cfg.grad_accum]
+    bs = trainer._task_data.epoch(0)[: cfg.grad_accum]  # the loop's own (mixed) batches
     batches = list(make_loader(ds, bs, acc.process_index, acc.num_processes, 0))
     for b in batches:  # images finished on the device once (the split transform's batched part)
         b["image"] = device_images(b, ds.transform, acc.device)

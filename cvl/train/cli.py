@@ -7,6 +7,7 @@ from typing import Any
 import click
 
 from cvl.device import deterministic_option, device_option
+from cvl.train.schedules import SCHEDULES
 
 # CLI option name -> TrainConfig field; only options given explicitly override the YAML.
 _OPTS = [
@@ -24,6 +25,9 @@ _OPTS = [
     "optimizer",
     "weight_decay",
     "warmup",
+    "warmup_later",
+    "lr_schedule",
+    "cooldown",
     "grad_clip",
     "grad_accum",
     "precision",
@@ -44,6 +48,8 @@ _OPTS = [
     "device",
     "deterministic",
     "budget",
+    "mixture",
+    "pretrain_data",
 ]
 
 
@@ -120,6 +126,32 @@ _OPTS = [
     default=0.0,
     show_default=True,
     help="Warm-up: fraction of the task's steps (<1) or steps (>=1).",
+)
+@click.option(
+    "--warmup-later",
+    type=float,
+    default=None,
+    help="Warm-up of every task after the first (same units as --warmup) [--warmup]: "
+    "TiC-CLIP's warm start, e.g. --warmup 10000 --warmup-later 2000.",
+)
+@click.option(
+    "--lr-schedule",
+    default="cosine",
+    show_default=True,
+    type=click.Choice(list(SCHEDULES)),
+    help="cosine: warm-up + cosine restarted every task; stream-cosine: one warm-up + cosine "
+    "over the whole stream (planned from the tasks' steps or budget shares); FoMo-in-Flux's "
+    "per-task cosine-fomo and rsqrt (√(W/n) + linear cool-down) and its meta-schedules, where "
+    "each task's peak follows the stream: cosine-ar, cosine-dyn, rsqrt-ar, rsqrt-cont "
+    "(README: Learning-rate schedules).",
+)
+@click.option(
+    "--cooldown",
+    type=float,
+    default=0.1,
+    show_default=True,
+    help="rsqrt schedules: linear cool-down to 0 at each task's end, fraction of its steps (<1) "
+    "or steps (>=1).",
 )
 @click.option(
     "--grad-clip", type=float, default=0.0, show_default=True, help="Max gradient norm (0 = off)."
@@ -247,6 +279,23 @@ _OPTS = [
     "charged), rounding=nearest|floor (maf: nearest); maf only: reference=full|tune (full "
     "fine-tuning of the same model, or the run's own --tune), memory=auto|device|tensors|"
     "allocated. Repeatable.",
+)
+@click.option(
+    "--mixture",
+    default=None,
+    metavar="task=A,buffer=B,pretrain=C",
+    help="Draw every global batch in set shares (summing to 1) from the task, the replay buffer "
+    "(--buffer) and a pretraining source (--pretrain-data), as FoMo-in-Flux's data_mixture: "
+    "floor(batch × share) each, the rest one by one in the order pretrain, task, buffer; with "
+    "no buffer items yet (the first task) the buffer's part goes to the task and pretrain. An "
+    "epoch is one pass over the task's own items. README: Data mixtures.",
+)
+@click.option(
+    "--pretrain-data",
+    default=None,
+    type=click.Path(),
+    help="The mixture's pretraining source: a cvl stream folder (every task's training pairs, "
+    "e.g. the stream CLIP_0 was trained on) or a folder of webdataset .tar shards.",
 )
 @device_option
 @deterministic_option

@@ -34,6 +34,9 @@ class TrainConfig:
     min_lr: float = 0.0
     weight_decay: float = 0.1
     warmup: float = 0.0  # fraction of the task's optimizer steps (< 1) or a step count (≥ 1)
+    warmup_later: float | None = None  # the warm-up of every task after the first (TiC-CLIP)
+    lr_schedule: str = "cosine"  # per task, over the stream, FoMo's (cvl.train.schedules)
+    cooldown: float = 0.1  # rsqrt schedules: linear cool-down, fraction (< 1) or steps (≥ 1)
     optimizer: str = "adamw"  # adamw | lamb (timm's LAMB: IncCLIP trains with it)
     beta1: float = 0.9
     beta2: float = 0.98
@@ -60,6 +63,8 @@ class TrainConfig:
     deterministic: bool | None = None  # bit-reproducible kernels; None = per device (cvl.device)
     budget: str | None = None  # samples=N | tflops=N | maf=N [/task] (cvl.train.budget)
     budget_args: dict[str, Any] = field(default_factory=dict)  # split, extras, rounding, ...
+    mixture: str | None = None  # task=A,buffer=B,pretrain=C shares of each batch (cvl.data.mixture)
+    pretrain_data: str | None = None  # the mixture's pretraining source: a stream or shards
 
     def validate(self) -> TrainConfig:
         """Clear one-line errors for values no run could use."""
@@ -100,6 +105,10 @@ class TrainConfig:
 
         tuning = Tuning(self.tune, self.tune_args)  # clear errors for unknown modes, arguments
         self.tune_args = {k: tuning.args[k] for k in self.tune_args}  # typed: "16" -> 16
+        from cvl.train.schedules import check_schedule
+
+        check_schedule(self)
+        self._check_mixture()
         if self.buffer and self.buffer_size <= 0:
             raise CvlError(f"--buffer {self.buffer} needs a positive --buffer-size")
         if self.buffer_size and not self.buffer:
@@ -109,6 +118,33 @@ class TrainConfig:
         if not self.out:
             raise CvlError("--out is required")
         return self
+
+    def _check_mixture(self) -> None:
+        """`--mixture` and its sources agree (a share needs its source, a source its share);
+        the spec is stored in its canonical form."""
+        from cvl.data.mixture import mixture_spec, parse_mixture
+
+        shares = parse_mixture(self.mixture)
+        if shares is None:
+            if self.pretrain_data:
+                raise CvlError(
+                    "--pretrain-data is the pretraining source of a --mixture: add --mixture "
+                    "task=...,pretrain=..."
+                )
+            self.mixture = None
+            return
+        self.mixture = mixture_spec(shares)
+        if shares["pretrain"] > 0 and not self.pretrain_data:
+            raise CvlError("--mixture gives the pretraining source a share: add --pretrain-data")
+        if shares["pretrain"] == 0 and self.pretrain_data:
+            raise CvlError("--pretrain-data given, but --mixture gives it no share (pretrain=...)")
+        if shares["buffer"] > 0 and not self.buffer:
+            raise CvlError("--mixture gives the buffer a share: add --buffer KIND --buffer-size N")
+        if shares["buffer"] == 0 and self.buffer:
+            raise CvlError(
+                f"--buffer {self.buffer} with a --mixture that gives it no share: its items would "
+                "never be replayed (add buffer=SHARE to --mixture, or drop --buffer)"
+            )
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -201,7 +237,19 @@ def parse_method_args(
 # Result-changing keys a `--force` resume may change in the middle of a task: the optimizer's
 # and the schedule's settings, applied from the resumed step on (the optimizer's moments and
 # the step count carry on). Any other change needs the task to start again (delete last/).
-MIDTASK_KEYS = {"lr", "min_lr", "warmup", "weight_decay", "beta1", "beta2", "eps", "grad_clip"}
+MIDTASK_KEYS = {
+    "lr",
+    "min_lr",
+    "warmup",
+    "warmup_later",
+    "lr_schedule",
+    "cooldown",
+    "weight_decay",
+    "beta1",
+    "beta2",
+    "eps",
+    "grad_clip",
+}
 
 
 def config_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:

@@ -31,11 +31,11 @@ import torch
 from tqdm import tqdm
 
 from cvl.data.augment import device_images, train_transform
+from cvl.data.mixture import build_mixture, task_data
 from cvl.data.reader import (
     PairDataset,
     default_workers,
     eval_loader,
-    global_batches,
     make_loader,
     sample_seed,
 )
@@ -53,6 +53,7 @@ from cvl.train.cost import CostTracker
 from cvl.train.guards import NonFiniteGuards
 from cvl.train.optim import optimizer_with_schedule, seed_torch
 from cvl.train.rundir import LAST, RunFolder
+from cvl.train.schedules import lr_multiplier, task_position, task_steps
 from cvl.train.selection import BestKeeper, selection_set, val_score
 
 
@@ -149,6 +150,7 @@ class Trainer(RunFolder, NonFiniteGuards):
                 "--grad-checkpointing and --grad-accum (README: Scaling up)"
             )
         self.manifest: Manifest = load_manifest(cfg.stream)
+        self.mixture = build_mixture(cfg)  # --mixture: each batch's shares (cvl.data.mixture)
         self.cost = CostTracker(self.acc.device)  # FLOPs, memory, time (cvl.train.cost)
         self.budget = parse_budget(cfg.budget)
         self.budget_opts = budget_options(self.budget, cfg.budget_args)
@@ -339,8 +341,8 @@ class Trainer(RunFolder, NonFiniteGuards):
         ps = [p for p in self.model.parameters() if p.requires_grad]
         return ps + [p for p in self.method.extra_parameters() if p.requires_grad]
 
-    def _optimizer(self, steps: int):
-        opt, sched = optimizer_with_schedule(self._params(), self.cfg, steps)
+    def _optimizer(self, steps: int, lr_lambda: Any = None):
+        opt, sched = optimizer_with_schedule(self._params(), self.cfg, steps, lr_lambda)
         self._opt = self.acc.prepare_optimizer(opt, device_placement=False)
         return self._opt, sched
 
@@ -349,7 +351,7 @@ class Trainer(RunFolder, NonFiniteGuards):
         name = self.order[ti]
         ctx.task_index, ctx.task_name, ctx.resuming = ti, name, pos is not None
         ctx.task_entries = self.entries_of(name)
-        ctx.epoch = ctx.step = 0
+        ctx.epoch, ctx.step, ctx.lr_lambda = 0, 0, None
         self._log_path = self.out / "logs" / f"{ti:02d}-{name}.jsonl"
         self._keeper: BestKeeper | None = None
         self.cost.begin_task(pos.get("cost") if pos else None)
@@ -365,28 +367,25 @@ class Trainer(RunFolder, NonFiniteGuards):
         wants = cfg.select == "auto" and getattr(self.method, "selects_best_val", False)
         if wants and sel is None and acc.is_main_process:
             acc.print(f"note: no 'val' pairs for task {name}: {cfg.method} keeps the last weights")
-        entries = self.method.task_entries(ctx)
+        gb = cfg.batch_size * acc.num_processes
+        seed_task = sample_seed(cfg.seed, ti)
+        data = self._task_data = task_data(self.method, self.mixture, ctx, gb, seed_task)
         ds = PairDataset(
-            entries,
+            data.entries,
             transform=train_transform(self.model.image_size, cfg.augment, acc.device),
             tokenize=self.model.tokenizer,
             skipped=Counter(self.skipped.get(name, {})),
             name=f"task {name}",
         )
-        gb = cfg.batch_size * acc.num_processes
-        batches_per_epoch = len(global_batches(len(ds), gb, 0, 0))
-        steps_per_epoch = max(1, batches_per_epoch // cfg.grad_accum)
-        total = steps_per_epoch * cfg.epochs
-        if cfg.max_steps_per_task:
-            total = min(total, cfg.max_steps_per_task)
-        ctx.steps_in_task = total
+        total = ctx.steps_in_task = task_steps(data.per_epoch, cfg)
         if self.budget is not None:  # the steps the task's budget buys (cvl.train.budget)
             total, self._budget_rec = plan_task(self, ctx, ds, gb, total, pos)
             ctx.steps_in_task = total
         elif cfg.compile and self.cost.enabled and not self.cost.has_step:
             measure_step(self, ctx, ds, gb)  # compiled graphs hide their ops: count eagerly
         count_step = self.cost.enabled and not self.cost.has_step
-        opt, sched = self._optimizer(total)
+        ctx.lr_lambda = lr_multiplier(cfg, task_position(self, ti, total))  # --lr-schedule
+        opt, sched = self._optimizer(total, ctx.lr_lambda)
         epoch0, batch0 = 0, 0
         if pos is not None:
             last = self.out / LAST
@@ -409,14 +408,13 @@ class Trainer(RunFolder, NonFiniteGuards):
             unit="step",
             dynamic_ncols=True,
         )
-        seed_task = sample_seed(cfg.seed, ti)
-        n_batches = len(global_batches(len(ds), gb, seed_task, 0))
+        n_batches = data.per_epoch
         usable = (n_batches // cfg.grad_accum) * cfg.grad_accum or n_batches
 
         def plan():  # the global batches still to train, over all epochs (lazy), no more
             left = max(0, total - ctx.step) * cfg.grad_accum
             for e in range(epoch0, cfg.epochs):
-                bs = global_batches(len(ds), gb, seed_task, e)[:usable]
+                bs = data.epoch(e)[:usable]
                 take = bs[(batch0 if e == epoch0 else 0) :][:left]
                 left -= len(take)
                 yield from take
@@ -544,6 +542,8 @@ class Trainer(RunFolder, NonFiniteGuards):
             rec["grad_norm"] = vals["grad_norm"]
         if skipped:
             rec["nonfinite_skipped"] = skipped
+        if self._task_data.sizes:  # --mixture: items per global batch from each source
+            rec["mixture"] = self._task_data.sizes
         self._log(rec, ctx)
         bar.update(n + skipped)
         bar.set_postfix(loss=f"{rec['loss']:.3f}")

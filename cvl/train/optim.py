@@ -1,32 +1,25 @@
-"""The training optimizer, its learning-rate schedule and the per-step seeding of torch's
-generators (shared by the loop, the budget's probe step and AFEC's expanded model)."""
+"""The training optimizer with its learning-rate schedule (`cvl.train.schedules`) and the
+per-step seeding of torch's generators (shared by the loop, the budget's probe step and
+AFEC's expanded model)."""
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-
-def cosine_schedule(total: int, warmup: float, base_lr: float, min_lr: float):
-    """LR multiplier: linear warm-up, then cosine from base_lr to min_lr over `total` steps."""
-    w = int(round(warmup * total)) if warmup < 1 else int(warmup)
-    floor = min_lr / base_lr if base_lr > 0 else 0.0
-
-    def f(step: int) -> float:
-        if w > 0 and step < w:
-            return (step + 1) / w
-        p = (step - w) / max(1, total - w)
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, p)))
-
-    return f
+from cvl.train.schedules import cosine_schedule
 
 
-def optimizer_with_schedule(params: list, cfg: Any, steps: int):
-    """The training optimizer + warm-up/cosine lr: AdamW, or (`optimizer: lamb`) LAMB (You et
-    al. 2020; timm's, with no clipping of its own: `grad_clip` does that), no weight decay on
-    gains, biases and scales (LAMB's trust ratio only where weights decay, as NVLAMB)."""
+def optimizer_with_schedule(
+    params: list, cfg: Any, steps: int, lr_lambda: Callable[[int], float] | None = None
+):
+    """The training optimizer + its learning-rate schedule: AdamW, or (`optimizer: lamb`)
+    LAMB (You et al. 2020; timm's, with no clipping of its own: `grad_clip` does that), no
+    weight decay on gains, biases and scales (LAMB's trust ratio only where weights decay, as
+    NVLAMB). `lr_lambda`: the multiplier of --lr at each step of the task
+    (`cvl.train.schedules.lr_multiplier`); default: warm-up + cosine over `steps`."""
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
     groups = [
@@ -40,9 +33,9 @@ def optimizer_with_schedule(params: list, cfg: Any, steps: int):
         opt = Lamb(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, max_grad_norm=None)
     else:
         opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, cosine_schedule(steps, cfg.warmup, cfg.lr, cfg.min_lr)
-    )
+    if lr_lambda is None:
+        lr_lambda = cosine_schedule(steps, cfg.warmup, cfg.lr, cfg.min_lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
     return opt, sched
 
 

@@ -26,6 +26,7 @@ from cvl.train.checkpoint import load_state, load_torch, save_state, save_torch
 from cvl.train.config import config_diff
 from cvl.train.cost import summarize_run
 from cvl.train.optim import optimizer_with_schedule
+from cvl.train.schedules import schedule_record
 
 LAST = "last"
 METHOD_STATE = "method_state"
@@ -70,6 +71,12 @@ class RunFolder:
             "processes": self.acc.num_processes,
             "cost": summarize_run(self.out),
             "tuning": self.tuning.summary(),
+            "lr_schedule": schedule_record(self),
+            **(
+                {"mixture": self.mixture.record(self.cfg.batch_size * self.acc.num_processes)}
+                if self.mixture
+                else {}
+            ),
             "runtime": self._runtime(),
             "earlier_runtimes": getattr(self, "_earlier_runtimes", []),
         }
@@ -285,9 +292,9 @@ class RunFolder:
                 f"({why}); delete {last}/ to restart the task from its beginning "
                 "(finished tasks are kept)"
             ) from None
-        self._apply_forced_settings(opt, sched, total)
+        self._apply_forced_settings(opt, sched, total, ctx.lr_lambda)
 
-    def _apply_forced_settings(self, opt: Any, sched: Any, total: int) -> None:
+    def _apply_forced_settings(self, opt: Any, sched: Any, total: int, lr_lambda: Any) -> None:
         """After a --force resume that changed lr, min_lr, warmup, weight decay, betas or eps:
         this config's settings and schedule from the resumed step on (the loaded state holds
         the old ones). The optimizer's moments and the step count are kept."""
@@ -295,7 +302,7 @@ class RunFolder:
 
         if not (getattr(self, "_forced", set()) & MIDTASK_KEYS):
             return
-        fresh, fresh_sched = optimizer_with_schedule(self._params(), self.cfg, total)
+        fresh, fresh_sched = optimizer_with_schedule(self._params(), self.cfg, total, lr_lambda)
         for g, f in zip(opt.param_groups, fresh.param_groups):
             g.update({k: v for k, v in f.items() if k != "params"})
         sched.base_lrs = list(fresh_sched.base_lrs)
@@ -360,6 +367,13 @@ class RunFolder:
                 write_json(tmp / "position.json", {**pos, **where})
         self.acc.wait_for_everyone()
 
+    def _mixture_record(self) -> dict[str, Any]:
+        """task.json's "mixture" (`--mixture`): items per global batch and held per source."""
+        d = getattr(self, "_task_data", None)
+        if d is None or not d.sizes:
+            return {}
+        return {"mixture": {"per_batch": d.sizes, "items": d.counts}}
+
     def _finish_task(self, ti: int, ctx: TaskContext, _: list) -> None:
         from cvl.models import save_weights
 
@@ -383,6 +397,7 @@ class RunFolder:
                         "steps": ctx.step,
                         "train_items": len(ctx.task_entries),
                         "buffer_items": len(ctx.buffer) if ctx.buffer is not None else 0,
+                        **self._mixture_record(),
                         "trainable_params": self.tuning.trainable,
                         "skipped": getattr(self, "skipped", {}).get(ctx.task_name, {}),
                         **self._fault_counts(),

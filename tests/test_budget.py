@@ -449,3 +449,28 @@ def test_budgeted_run_killed_and_resumed_is_bitwise_and_not_measured_again(
     for c in finished_tasks(tmp_path / "cut"):
         t = comparable(json.loads((c.path / "task.json").read_text()))
         assert t["steps"] == 3 and t["budget"]["steps_trained"] == 3
+
+
+def test_the_stream_plan_shares_a_budget_as_the_tasks_do():
+    """--lr-schedule stream-cosine plans with the budget's shares: maf equally (FoMo-in-Flux),
+    tflops by training pairs (unless --budget-arg split says otherwise)."""
+    from types import SimpleNamespace
+
+    from cvl.train.schedules import stream_plan
+
+    tasks = {"a": 200, "b": 100, "c": 100}
+    manifest = SimpleNamespace(
+        task_order=list(tasks),
+        tasks={k: SimpleNamespace(train=SimpleNamespace(count=n)) for k, n in tasks.items()},
+    )
+
+    def plan(spec, **given):
+        b = parse_budget(spec)
+        t = SimpleNamespace(
+            cfg=None, manifest=manifest, method=None, budget=b, budget_opts=budget_options(b, given)
+        )
+        return stream_plan(t, [0, 1, 2])
+
+    assert plan("maf=12") == (4.0, 4.0, 4.0)
+    assert plan("maf=12", split="pairs") == (6.0, 3.0, 3.0)
+    assert plan("tflops=12") == (6.0, 3.0, 3.0)

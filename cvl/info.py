@@ -118,9 +118,20 @@ def _cost_lines(name: str, t: dict) -> list[str]:
     b = t.get("budget")
     if b:
         capped = f" (capped by --epochs: the budget buys {b['steps']})" if b.get("capped") else ""
+        how = []
+        if b.get("memory_ratio") is not None:
+            ref = (b.get("reference") or {}).get("of", "tune")
+            how.append(
+                f"memory {b['memory_ratio']:.3g} x {'full fine-tuning' if ref == 'full' else 'its own reference'}"
+            )
+        if b.get("extras_flops") is not None:
+            how.append(
+                f"extras {b['extras_flops'] / 1e9:.4g} GFLOPs charged per {b['options']['extras']}"
+            )
+        how_s = f" ({'; '.join(how)})" if how else ""
         out.append(
             f"  {name} budget {b['spec']}: share {b['share']:.4g}, {b['cost_per_step']:.4g} per "
-            f"step -> {b['steps_trained']} steps{capped}"
+            f"step{how_s} -> {b['steps_trained']} steps{capped}"
         )
     return out
 

@@ -1,76 +1,36 @@
-"""EMA merge (FoMo-in-Flux's EMA merging, Roth et al. 2024; cf. the momentum weight
-interpolation of Stojanovski et al. 2022): a running exponential average of the weights,
-updated after every optimizer step of every task and carried across tasks,
+"""EMA merge (FoMo-in-Flux's "EMA-merge", Roth et al., NeurIPS 2024 D&B; code: the authors'
+push in the fork pseudope/fomo_in_flux, MIT): once per task end, the deployed weights are an
+exponential moving average over tasks of the fine-tuned models, and the next task trains from
+them,
 
-    θ̄ ← d·θ̄ + (1 − d)·θ      (after each step; θ̄ starts as θ_0 on the first task),
+    m_t = ½·θ̂_t + ½·m_{t−1},   m_{−1} = θ_0,   task t trains from m_{t−1},
 
-and after each task the deployed weights are θ_t = θ̄. By default (`init=finetuned`) training
-continues from the fine-tuned weights θ̂_t (the fast model), so θ̄ averages the whole
-trajectory of sequential fine-tuning, within and across tasks; `init=merged` restarts each
-task from θ̄ (then θ̄ and the model coincide at every task start). d = `decay` = 0.999 per
-step: FoMo-in-Flux's code is not public (its repository holds a placeholder README) and its
-decay could not be checked, so this is the usual weight-EMA value, to be set for the number
-of steps per task (θ̄ keeps d^n of its value over n steps: 0.999^300 ≈ 0.74). The average is
-kept on the model's device (one extra copy of the trained weights). Wraps a base method
-(`base=NAME`, default seqft), see `cvl.methods.merging`.
+so the first task is merged too (m_0 = ½θ̂_0 + ½θ_0). In its code: `continual_lib/utils/
+base_continual_learner.py`, `BaseContinualLearner.__init__` starts the list of checkpoints
+`checkpoint_storage["running"]` with θ_0; `continual_lib/ema_paint.py`, `Model.end_task`
+appends θ̂_t to it, and `Model.define_training_weights` / `define_evaluation_weights` both
+set `Model.unrolled_merge` of that list (running ← f_merge([θ̂_i, running]) from θ_0 on), which
+`BaseContinualLearner.prepare_for_training` / `prepare_for_evaluation` load (`utils/
+training.py`, `train`: before each task's steps / after its `end_task`); f_merge is
+`continual_lib/merge.py`'s `Interpolation` with `weight_coefficients: null`
+(`configs/config.yaml`, `continual.ema_paint`), the mean: ½/½. FoMo-in-Flux merges the backbone
+and the head state dicts alike, i.e. the whole model (see `cvl.methods.merging` for what cvl
+merges under `--tune`: the adapted weights as they compute, frozen tensors left as they are).
+
+α = `alpha` = ½ is the weight of the new model (FoMo's coefficients [α, 1 − α]). This is
+`wise` with `first_task=true` (the same class, `cvl.methods.merging.InterpolationMerge`); the
+former cvl `ema_merge`, a per-step EMA of the weights, is `ema_step`. Wraps a base method
+(`base=NAME`, default seqft).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
-
-from cvl.errors import CvlError
-from cvl.methods.base import TaskContext
-from cvl.methods.merging import MergeMethod, Weights, clone_weights, floating_state
+from cvl.methods.merging import InterpolationMerge
 from cvl.methods.registry import register
 
 
-@torch.no_grad()
-def ema_update_(avg: Weights, weights: Weights, decay: float) -> None:
-    """avg ← d·avg + (1 − d)·weights, in place (fused over the tensors)."""
-    keys = list(avg)
-    torch._foreach_lerp_([avg[k] for k in keys], [weights[k] for k in keys], 1.0 - decay)
-
-
 @register("ema_merge")
-class EMAMerge(MergeMethod):
-    """EMA merge: θ̄ ← d·θ̄ + (1−d)·θ every step across tasks, deployed after each task."""
+class EMAMerge(InterpolationMerge):
+    """EMA merge (FoMo-in-Flux): θ_t = ½θ̂_t + ½θ_{t−1} after every task, trained on from θ_t."""
 
-    defaults = {"base": "seqft", "decay": 0.999, "init": "finetuned"}
-
-    def __init__(self, args: dict[str, Any] | None = None) -> None:
-        super().__init__(args)
-        if not 0.0 <= self.args["decay"] < 1.0:
-            raise CvlError(
-                f"method 'ema_merge': decay must be in [0, 1) (got {self.args['decay']})"
-            )
-        self.avg: Weights | None = None
-
-    def before_task(self, ctx: TaskContext) -> None:
-        super().before_task(ctx)
-        if self.avg is None:  # the first task: θ̄ = θ_0 (on resume, the saved θ̄ replaces it)
-            self.avg = clone_weights(self.start)
-        else:
-            self.avg = clone_weights(self.avg, next(iter(self.start.values())).device)
-
-    def after_step(self, ctx: TaskContext) -> None:
-        super().after_step(ctx)
-        ema_update_(self.avg, floating_state(ctx.model), self.args["decay"])
-
-    def deploy(self, ctx: TaskContext, tuned: Weights) -> Weights:
-        return self.avg
-
-    def merge_state(self) -> dict[str, Any]:
-        return {"ema": dict(self.avg)} if self.avg is not None else {}
-
-    def load_merge_state(self, state: dict[str, Any]) -> None:
-        if "ema" not in state:
-            return
-        if self.avg is None:
-            self.avg = dict(state["ema"])
-        else:  # inside a task: into the live average (its device)
-            with torch.no_grad():
-                for k, v in state["ema"].items():
-                    self.avg[k].copy_(v)
+    defaults = {**InterpolationMerge.defaults, "first_task": True}

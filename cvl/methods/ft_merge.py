@@ -1,46 +1,32 @@
-"""Fine-tuned merge (FoMo-in-Flux's "Finetune-merge", Roth et al. 2024): after each task the
-deployed weights interpolate the task's fine-tuned weights with the weights it started from,
+"""Fine-tuned merge (FoMo-in-Flux's "FT-merge", Roth et al., NeurIPS 2024 D&B; code: the
+authors' push in the fork pseudope/fomo_in_flux, MIT): after each task the deployed weights
+interpolate the task's fine-tuned weights with the initial (zero-shot) weights θ_0, and the
+next task trains from them,
 
-    θ_t = α·θ̂_t + (1 − α)·start_t,
+    m_t = ½·θ̂_t + ½·θ_0,   task t trains from m_{t−1} (θ_0 for t = 0),
 
-α = `alpha` = 0.5 (WiSE-FT's mixing coefficient, Wortsman et al. 2022, which FoMo-in-Flux's
-merges follow). By default (`init=finetuned`) training continues from the fine-tuned weights:
-start_t = θ̂_{t−1}, so θ_t merges consecutive fine-tuned models and the sequence of fine-tuned
-models is plain sequential fine-tuning; `init=merged` trains from the deployed θ_{t−1}, which
-is `wise`. The first task is kept as trained unless `first_task=true` (then θ_0 + α·τ_0).
-FoMo-in-Flux's code is not public (its repository holds a placeholder README): the reading
-of "previous weights" as the previous fine-tuned model is ours. Wraps a base method
+the first task merged too. In its code: `continual_lib/ft_paint.py`, `Model.unrolled_merge`
+returns f_merge([checkpoints[−1], checkpoints[0]]) = f_merge([θ̂_t, θ_0]) (the list starts with
+θ_0, `BaseContinualLearner.__init__` in `continual_lib/utils/base_continual_learner.py`;
+`Model.end_task` appends θ̂_t), and both `Model.define_training_weights` and
+`define_evaluation_weights` use it; f_merge is `continual_lib/merge.py`'s `Interpolation` with
+null coefficients (½/½; `configs/config.yaml`, `continual.ft_paint`).
+
+Here: `anchor=initial`, `init=merged`; α = `alpha` = ½ (the weight of θ̂_t). This is what cvl
+called `zs_merge` before (same arithmetic). cvl's former `ft_merge`, which merged consecutive
+fine-tuned models (θ_t = ½θ̂_t + ½θ̂_{t−1}, training on from θ̂_t), is
+`--method wise --method-arg init=finetuned --method-arg anchor=start`. Wraps a base method
 (`base=NAME`, default seqft), see `cvl.methods.merging`.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-from cvl.errors import CvlError
-from cvl.methods.base import TaskContext
-from cvl.methods.merging import MergeMethod, Weights
+from cvl.methods.merging import InterpolationMerge
 from cvl.methods.registry import register
 
 
-def lerp(a: Weights, b: Weights, alpha: float) -> Weights:
-    """α·a + (1 − α)·b, by name."""
-    return {k: v * alpha + b[k].to(v.device, v.dtype) * (1.0 - alpha) for k, v in a.items()}
-
-
 @register("ft_merge")
-class FinetuneMerge(MergeMethod):
-    """Fine-tuned merge: θ_t = α·θ̂_t + (1−α)·θ̂_{t−1}, training continues from θ̂_t (FoMo-in-Flux)."""
+class FinetuneMerge(InterpolationMerge):
+    """Fine-tuned merge (FoMo-in-Flux): θ_t = ½θ̂_t + ½θ_0 after every task, trained on from θ_t."""
 
-    defaults = {"base": "seqft", "alpha": 0.5, "init": "finetuned", "first_task": False}
-
-    def __init__(self, args: dict[str, Any] | None = None) -> None:
-        super().__init__(args)
-        if not 0.0 <= self.args["alpha"] <= 1.0:
-            raise CvlError(
-                f"method '{self.name}': alpha must be in [0, 1] (got {self.args['alpha']})"
-            )
-        self.merge_first_task = bool(self.args["first_task"])
-
-    def deploy(self, ctx: TaskContext, tuned: Weights) -> Weights:
-        return lerp(tuned, self.start, self.args["alpha"])
+    defaults = {**InterpolationMerge.defaults, "anchor": "initial"}

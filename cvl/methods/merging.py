@@ -1,13 +1,24 @@
 """Weight-space merging: the one home of reading, writing and interpolating a model's weights,
-and the base class of the merging methods (`wise`, `ema_merge`, `zs_merge`, `ft_merge`,
-`task_arith`, `ties`, `model_stock`).
+of the merge operators, and of the base classes of the merging methods (`wise`, `ema_merge`,
+`zs_merge`, `ft_merge`, `task_arith`, `ties`, `model_stock`; `ema_step` averages per step).
 
 **Weights** are the model's floating-point parameters and buffers under their plain names
 (`floating_state`), restricted to what `--tune` trains (all of them under `--tune full`; the
-adapted weights under `lora`/`dora`, read as they compute; the biases under `bitfit`, ...):
-a merge never touches a frozen tensor. `write_` and `interpolate_` change them in place; a
-model carrying adapters has them merged first and gets a zero delta after (it then computes
-exactly the written weights).
+adapted weights under `lora`/`dora`, read as they compute; the biases under `bitfit`, ...).
+FoMo-in-Flux merges the whole state dict (`continual_lib/merge.py`, every key): the tensors a
+run does not train are equal in every model merged, so leaving them out gives the same result
+(and keeps them bit-exact under α ≠ ½); LoRA/DoRA factors are not merged one by one (a merge
+of B and A is not the merge of the weights B·A they compute), the adapted weights are; integer
+buffers (BatchNorm's batch counter) keep the trained model's value. `write_` and
+`interpolate_` change the weights in place; a model carrying adapters has them merged first
+and gets a zero delta after (it then computes exactly the written weights).
+
+**Merge operators** (`OPERATORS`, `merge_operator`): functions of a list of models (newest
+first) and the initial weights, returning merged weights, as FoMo-in-Flux keeps every merge
+behind one interface (`continual_lib/merge.py`: `BaseMerge.__call__(state_dicts,
+zero_shot)`, built by `create_merge_instance`). Here: `interpolation` (its `Interpolation`:
+Σ c_i·θ_i, equal coefficients unless given). Other operators (SLERP, MagMax, DARE, ...) are
+added to `OPERATORS` and chosen by the methods that merge pairs (`InterpolationMerge`).
 
 **Merging in a continual stream** (TIME's framework, Dziadzio et al. 2025: where a task's
 training starts, what is deployed). Notation: θ_0 = the run's initial weights (`init/`);
@@ -27,6 +38,7 @@ The task vector of task t is τ_t = θ̂_t − start_t (the task's own update; =
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -72,12 +84,44 @@ def write_(model: nn.Module, weights: Weights) -> None:
 @torch.no_grad()
 def interpolate_(model: nn.Module, other: nn.Module | Weights, alpha: float) -> None:
     """model ← α·model + (1 − α)·other, in place (the weights `floating_state` names)."""
-    mine = floating_state(model)
     theirs = other if isinstance(other, dict) else floating_state(other)
-    out = {}
-    for k, v in mine.items():
-        out[k] = v * alpha + theirs[k].to(v.device, v.dtype) * (1.0 - alpha)
-    write_(model, out)
+    write_(model, interpolation((alpha, 1.0 - alpha))([floating_state(model), theirs]))
+
+
+# -- merge operators -----------------------------------------------------------------------------
+MergeOperator = Callable[[Sequence[Weights], "Weights | None"], Weights]
+
+
+def interpolation(coefficients: Sequence[float] | None = None) -> MergeOperator:
+    """Σ_i c_i·θ_i by name, on the first model's device and dtype; c_i = 1/n unless given
+    (FoMo-in-Flux `continual_lib/merge.py`, `Interpolation.merge` with `weight_coefficients`
+    null: the arithmetic mean, ½/½ for two models). The initial weights are not used."""
+
+    def merge(models: Sequence[Weights], initial: Weights | None = None) -> Weights:
+        c = list(coefficients) if coefficients is not None else [1.0 / len(models)] * len(models)
+        if len(c) != len(models) or abs(sum(c) - 1.0) > 1e-6:
+            raise CvlError(f"interpolation: {len(c)} coefficients summing to 1 expected, got {c}")
+        first = models[0]
+        out = {}
+        for k, v in first.items():
+            acc = v * c[0]
+            for ci, m in zip(c[1:], models[1:]):
+                acc = acc + m[k].to(v.device, v.dtype) * ci
+            out[k] = acc
+        return out
+
+    return merge
+
+
+#: name → factory(**its arguments) of a merge operator (module doc)
+OPERATORS: dict[str, Callable[..., MergeOperator]] = {"interpolation": interpolation}
+
+
+def merge_operator(name: str, **args: Any) -> MergeOperator:
+    """The operator `name` built with its arguments (one-line error for an unknown name)."""
+    if name not in OPERATORS:
+        raise CvlError(f"unknown merge operator {name!r} (choices: {', '.join(OPERATORS)})")
+    return OPERATORS[name](**args)
 
 
 def load_initial(ctx: TaskContext) -> Weights:
@@ -96,13 +140,15 @@ class MergeMethod(Wrapper):
 
     Subclasses set `defaults` (with `init` when it is a choice, else class attribute `init`)
     and implement `deploy(ctx, tuned) -> Weights` (θ_t from θ̂_t = `tuned`), using
-    `self.start` (start_t) and `self.initial(ctx)` (θ_0); `merge_first_task` = False keeps
-    θ̂_0 on the first task. State that must survive a task (θ̂_{t−1}, running sums) goes in
-    `own_state` / `load_own_state` (tensors on the CPU).
+    `self.start` (start_t), `self.initial(ctx)` (θ_0) and, when `keeps_previous` is set,
+    `self.previous` (the deployed θ_{t−1}, θ_0 for t = 0, read before `init` replaces it);
+    `merge_first_task` = False keeps θ̂_0 on the first task. State that must survive a task
+    (θ̂_{t−1}, running sums) goes in `own_state` / `load_own_state` (tensors on the CPU).
     """
 
     init = "merged"
     merge_first_task = True
+    keeps_previous = False
 
     def __init__(self, args: dict[str, Any] | None = None) -> None:
         super().__init__(args)
@@ -113,6 +159,7 @@ class MergeMethod(Wrapper):
             )
         self.start: Weights | None = None
         self.finetuned: Weights | None = None  # θ̂_{t−1} (init=finetuned)
+        self.previous: Weights | None = None  # θ_{t−1} during a task (keeps_previous)
         self._initial: Weights | None = None
 
     def initial(self, ctx: TaskContext) -> Weights:
@@ -122,6 +169,9 @@ class MergeMethod(Wrapper):
         return self._initial
 
     def before_task(self, ctx: TaskContext) -> None:
+        if self.keeps_previous:  # the model holds θ_{t−1} here, also on resume; a probe's
+            # rerun (cvl.train.budget) restores it from the method state instead
+            self.previous = clone_weights(floating_state(ctx.model), "cpu")
         if self.init == "finetuned" and self.finetuned is not None:
             write_(ctx.model, self.finetuned)
         elif self.init == "base" and not ctx.first_task:
@@ -138,7 +188,7 @@ class MergeMethod(Wrapper):
             write_(ctx.model, self.deploy(ctx, tuned))
         if self.init == "finetuned":
             self.finetuned = clone_weights(tuned, "cpu")
-        self.start = None
+        self.start = self.previous = None
 
     def deploy(self, ctx: TaskContext, tuned: Weights) -> Weights:
         raise NotImplementedError
@@ -150,11 +200,15 @@ class MergeMethod(Wrapper):
         st = self.merge_state()
         if self.finetuned is not None:
             st["finetuned"] = dict(self.finetuned)
+        if self.previous is not None:
+            st["previous"] = dict(self.previous)
         return st
 
     def load_own_state(self, state: dict[str, Any]) -> None:
         if "finetuned" in state:
             self.finetuned = dict(state["finetuned"])
+        if "previous" in state:
+            self.previous = dict(state["previous"])
         self.load_merge_state(state)
 
     def merge_state(self) -> dict[str, Any]:
@@ -166,3 +220,55 @@ class MergeMethod(Wrapper):
     def task_vector(self, tuned: Weights) -> Weights:
         """τ_t = θ̂_t − start_t."""
         return {k: v - self.start[k] for k, v in tuned.items()}
+
+
+ANCHORS = ("previous", "initial", "start")
+
+
+class InterpolationMerge(MergeMethod):
+    """One interpolation per task end: θ_t = α·θ̂_t + (1 − α)·anchor_t (the `interpolation`
+    operator on [θ̂_t, anchor_t], coefficients [α, 1 − α]).
+
+    `anchor`: `previous` = the deployed θ_{t−1} (θ_0 for t = 0), so θ_t is a running merge of
+    all task models, FoMo-in-Flux's "unrolled" merge (`continual_lib/ema_paint.py`,
+    `zs_paint.py`: `Model.unrolled_merge` folds f_merge([θ̂_i, running]) over the stored
+    checkpoints [θ_0, θ̂_0, ..., θ̂_t]); `initial` = θ_0 (`ft_paint.py`: f_merge([θ̂_t, θ_0]));
+    `start` = start_t, the weights the task trained from (= `previous` under init=merged, =
+    `initial` under init=base, θ̂_{t−1} under init=finetuned: consecutive fine-tuned models).
+    `first_task`: merge task 0 too (FoMo-in-Flux does: its list of checkpoints starts with θ_0)
+    or keep θ̂_0. The registered names (`wise`, `ema_merge`, `zs_merge`, `ft_merge`) are this
+    class with their own defaults.
+    """
+
+    defaults = {
+        "base": "seqft",
+        "alpha": 0.5,
+        "anchor": "previous",
+        "init": "merged",
+        "first_task": True,
+    }
+
+    def __init__(self, args: dict[str, Any] | None = None) -> None:
+        super().__init__(args)
+        if not 0.0 <= self.args["alpha"] <= 1.0:
+            raise CvlError(
+                f"method '{self.name}': alpha must be in [0, 1] (got {self.args['alpha']})"
+            )
+        self.check_choice("anchor", ANCHORS)
+        self.merge_first_task = bool(self.args["first_task"])
+        # under init=merged θ_{t−1} is start_t, already kept
+        self.keeps_previous = self.args["anchor"] == "previous" and self.init != "merged"
+
+    def anchor(self, ctx: TaskContext) -> Weights:
+        """The weights θ̂_t is merged with (class doc)."""
+        a = self.args["anchor"]
+        if a == "initial":
+            return self.initial(ctx)
+        if a == "previous" and self.keeps_previous:
+            return self.previous
+        return self.start
+
+    def deploy(self, ctx: TaskContext, tuned: Weights) -> Weights:
+        alpha = self.args["alpha"]
+        merge = merge_operator("interpolation", coefficients=(alpha, 1.0 - alpha))
+        return merge([tuned, self.anchor(ctx)], None)  # interpolation needs no θ_0

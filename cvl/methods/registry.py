@@ -34,6 +34,7 @@ METHOD_MODULES = [
     "cvl.methods.wise",
     "cvl.methods.zscl",
     "cvl.methods.ema_merge",
+    "cvl.methods.ema_step",
     "cvl.methods.zs_merge",
     "cvl.methods.ft_merge",
     "cvl.methods.task_arith",

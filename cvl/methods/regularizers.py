@@ -160,6 +160,8 @@ def importance_pass(
 
 
 def note(ctx: TaskContext, name: str, msg: str) -> None:
+    if getattr(ctx, "probing", False):  # a budget's probe of the end of the task: said later
+        return
     acc = ctx.accelerator
     if acc is None or getattr(acc, "is_main_process", True):
         print(f"{name}: {msg}", flush=True)

@@ -1,38 +1,31 @@
-"""Zero-shot merge (FoMo-in-Flux's "ZeroShot-merge", Roth et al. 2024): after every task the
-deployed weights interpolate the task's fine-tuned weights with the run's initial (zero-shot,
-pre-trained) weights θ_0,
+"""Zero-shot merge (FoMo-in-Flux's "ZS-merge", Roth et al., NeurIPS 2024 D&B; code: the
+authors' push in the fork pseudope/fomo_in_flux, MIT): every task trains from the initial
+(zero-shot) weights θ_0, and the deployed model is a running merge of all task models,
 
-    θ_t = α·θ̂_t + (1 − α)·θ_0,
+    task t trains from θ_0,   m_t = ½·θ̂_t + ½·m_{t−1},   m_{−1} = θ_0.
 
-α = `alpha` = 0.5 (WiSE-FT's mixing coefficient, Wortsman et al. 2022, whose zero-shot /
-fine-tuned interpolation this applies at every task). By default (`init=merged`) task t+1
-trains from θ_t; `init=finetuned` continues from θ̂_t (the deployed model is then WiSE-FT of
-sequential fine-tuning), `init=base` restarts every task from θ_0. FoMo-in-Flux's code is not
-public (its repository holds a placeholder README). Wraps a base method (`base=NAME`, default
-seqft), see `cvl.methods.merging`.
+In its code: `continual_lib/zs_paint.py`, `Model.prepare_for_training` loads
+`checkpoint_storage["init"]` (θ_0) before every task; `Model.end_task` appends θ̂_t to
+`checkpoint_storage["running"]` (which `BaseContinualLearner.__init__`,
+`continual_lib/utils/base_continual_learner.py`, starts with θ_0), and
+`Model.define_evaluation_weights` sets `Model.unrolled_merge` of it (running ←
+f_merge([θ̂_i, running]) from θ_0 on), f_merge being `continual_lib/merge.py`'s
+`Interpolation` with null coefficients (½/½; `configs/config.yaml`, `continual.zs_paint`).
+
+Here: `init=base` (every task from θ_0) and `anchor=previous` (the deployed θ_{t−1}, kept in the
+method state on the CPU during the task: one copy of the trained weights). α = `alpha` = ½.
+cvl's former `zs_merge` (θ_t = ½θ̂_t + ½θ_0, training on from θ_t) is FoMo's FT-merge:
+`ft_merge`. Wraps a base method (`base=NAME`, default seqft), see `cvl.methods.merging`.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-from cvl.errors import CvlError
-from cvl.methods.base import TaskContext
-from cvl.methods.ft_merge import lerp
-from cvl.methods.merging import MergeMethod, Weights
+from cvl.methods.merging import InterpolationMerge
 from cvl.methods.registry import register
 
 
 @register("zs_merge")
-class ZeroShotMerge(MergeMethod):
-    """Zero-shot merge: after each task θ_t = α·θ̂_t + (1−α)·θ_0 (FoMo-in-Flux; wraps a method)."""
+class ZeroShotMerge(InterpolationMerge):
+    """Zero-shot merge (FoMo-in-Flux): every task from θ_0; θ_t = ½θ̂_t + ½θ_{t−1}."""
 
-    defaults = {"base": "seqft", "alpha": 0.5, "init": "merged"}
-
-    def __init__(self, args: dict[str, Any] | None = None) -> None:
-        super().__init__(args)
-        if not 0.0 <= self.args["alpha"] <= 1.0:
-            raise CvlError(f"method 'zs_merge': alpha must be in [0, 1] (got {self.args['alpha']})")
-
-    def deploy(self, ctx: TaskContext, tuned: Weights) -> Weights:
-        return lerp(tuned, self.initial(ctx), self.args["alpha"])
+    defaults = {**InterpolationMerge.defaults, "init": "base"}

@@ -226,6 +226,20 @@ def plain_copy(model: nn.Module) -> nn.Module:
     return m
 
 
+def full_finetuning_copy(model: nn.Module) -> nn.Module:
+    """A plain copy (`plain_copy`) trained as full fine-tuning would train it: every floating
+    parameter requires a gradient and BatchNorm layers follow the train/eval mode again (the
+    frozen-statistics hook of a tuning mode removed); the reference of `--budget maf`."""
+    m = plain_copy(model)
+    for p in m.parameters():
+        p.requires_grad_(p.is_floating_point())
+    for mod in m.modules():
+        for k, h in list(mod._forward_pre_hooks.items()):
+            if h is _eval_mode:
+                del mod._forward_pre_hooks[k]
+    return m
+
+
 def trained_names(model: nn.Module) -> frozenset[str] | None:
     """Plain names of the tensors the tuning mode changes (None: all, `--tune full`)."""
     return getattr(model, _TRAINED_ATTR, None)

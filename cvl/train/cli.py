@@ -268,10 +268,23 @@ _OPTS = [
     default=None,
     metavar="SPEC",
     help="Train to a compute budget instead of full epochs: samples=N, tflops=N or maf=N "
-    "(memory-adjusted TFLOPs, relative to seqft's step on the same model) for the whole "
-    "stream, shared by the tasks in proportion to their size, or N/task for each task. Each "
+    "(FoMo-in-Flux's memory-adjusted TFLOPs: FLOPs of a step plus the end-of-task work, times "
+    "memory / full fine-tuning's memory on the same model) for the whole stream (shared by "
+    "the tasks: maf equally, samples/tflops by training pairs), or N/task for each task. Each "
     "task's steps = its budget / the measured cost of one of its steps; --epochs stays an "
     "upper bound. README: Comparing at equal compute.",
+)
+@click.option(
+    "--budget-arg",
+    "budget_arg",
+    multiple=True,
+    metavar="NAME=VALUE",
+    help="How --budget counts (defaults: maf = FoMo-in-Flux's MAF, samples / tflops = cvl's): "
+    "split=equal|pairs (the stream's budget over the tasks: equal, maf; by training pairs), "
+    "extras=step|task|none (end-of-task work charged to every step, maf; once per task; not "
+    "charged), rounding=nearest|floor (maf: nearest); maf only: reference=full|tune (full "
+    "fine-tuning of the same model, or the run's own --tune), memory=auto|device|tensors|"
+    "allocated. Repeatable.",
 )
 @click.option(
     "--mixture",
@@ -308,6 +321,7 @@ def train(
     ctx: click.Context,
     method_arg: tuple[str, ...],
     tune_arg: tuple[str, ...],
+    budget_arg: tuple[str, ...],
     config_path: str | None,
     force: bool,
     quiet: bool,
@@ -333,5 +347,6 @@ def train(
     }
     overrides["method_args"] = parse_method_args(method_arg)
     overrides["tune_args"] = parse_method_args(tune_arg, "--tune-arg", raw=True)
+    overrides["budget_args"] = parse_method_args(budget_arg, "--budget-arg", raw=True)
     cfg = resolve(config_path, overrides)
     Trainer(cfg, force=force, progress=not quiet).run()

@@ -62,6 +62,7 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N (cvl.device); multi-process: auto|cuda|cpu
     deterministic: bool | None = None  # bit-reproducible kernels; None = per device (cvl.device)
     budget: str | None = None  # samples=N | tflops=N | maf=N [/task] (cvl.train.budget)
+    budget_args: dict[str, Any] = field(default_factory=dict)  # split, extras, rounding, ...
     mixture: str | None = None  # task=A,buffer=B,pretrain=C shares of each batch (cvl.data.mixture)
     pretrain_data: str | None = None  # the mixture's pretraining source: a stream or shards
 
@@ -93,9 +94,11 @@ class TrainConfig:
             )
         if self.deterministic is not None and not isinstance(self.deterministic, bool):
             raise CvlError(f"deterministic must be true or false, got {self.deterministic!r}")
-        from cvl.train.budget import parse_budget
+        from cvl.train.budget import budget_options, parse_budget
 
-        parse_budget(self.budget)  # a clear error for a malformed spec
+        b = parse_budget(self.budget)  # a clear error for a malformed spec
+        opts = budget_options(b, self.budget_args)  # ... and for unknown or misplaced options
+        self.budget_args = {k: opts[k] for k in self.budget_args}  # normalised: "Equal" -> equal
         if self.pretrained and self.init_run:
             raise CvlError("give --pretrained FILE or --init-run RUN, not both")
         from cvl.models.tune import Tuning
@@ -191,7 +194,7 @@ def resolve(yaml_path: str | None, overrides: dict[str, Any]) -> TrainConfig:
     if yaml_path:
         base = load_yaml(yaml_path)
     merged = {}
-    for key in ("method_args", "tune_args"):  # NAME=VALUE maps: the CLI adds to the YAML's
+    for key in ("method_args", "tune_args", "budget_args"):  # NAME=VALUE maps: CLI adds to YAML
         merged[key] = dict(base.get(key) or {})
         merged[key].update(overrides.pop(key, None) or {})
     base.update(overrides)

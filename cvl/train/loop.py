@@ -47,7 +47,7 @@ from cvl.methods.base import Method, TaskContext, frozen_copy
 from cvl.methods.registry import get_method
 from cvl.runs import MODEL_FILE, task_dir
 from cvl.streams.manifest import Manifest, load_manifest
-from cvl.train.budget import measure_step, parse_budget, plan_task
+from cvl.train.budget import budget_options, measure_step, parse_budget, plan_task
 from cvl.train.config import TrainConfig
 from cvl.train.cost import CostTracker
 from cvl.train.guards import NonFiniteGuards
@@ -160,6 +160,7 @@ class Trainer(RunFolder, NonFiniteGuards):
         self.mixture = build_mixture(cfg)  # --mixture: each batch's shares (cvl.data.mixture)
         self.cost = CostTracker(self.acc.device)  # FLOPs, memory, time (cvl.train.cost)
         self.budget = parse_budget(cfg.budget)
+        self.budget_opts = budget_options(self.budget, cfg.budget_args)
         self.method_cls = get_method(cfg.method)
         self.method: Method = self.method_cls(cfg.method_args)
         if self.method.needs_buffer and not cfg.buffer:

@@ -257,7 +257,10 @@ def stream_plan(trainer: Any, indices: Sequence[int]) -> tuple[float, ...]:
     single = getattr(trainer.method, "single_task", False)
     if trainer.budget is not None:
         counts = {i: trainer.manifest.tasks[order[i]].train.count for i in indices}
-        return tuple(task_share(trainer.budget, counts, i, len(order), single) for i in indices)
+        split = trainer.budget_opts["split"]  # maf: equal (FoMo-in-Flux), else by pairs
+        return tuple(
+            task_share(trainer.budget, counts, i, len(order), single, split) for i in indices
+        )
     gb = cfg.batch_size * trainer.acc.num_processes
     ctx = TaskContext(
         model=None,

@@ -1,6 +1,7 @@
 """The `cvl` command line: a thin click group; each area owns its subcommands.
 
-Errors the user can fix (`CvlError`, bad options) print one line and exit with code 2;
+Errors the user can fix (`CvlError`, bad options: click's usage errors too) print one line
+`error: ...` and exit with code 2;
 nothing prints a traceback unless `CVL_DEBUG=1`.
 """
 
@@ -59,6 +60,17 @@ for _mod, _attr in SUBCOMMANDS:
             raise
 
 
+def one_line(text: str) -> str:
+    """A message on one line (click wraps some of its own)."""
+    return " ".join(str(text).split())
+
+
+def _help_hint(e: click.ClickException) -> str:
+    """Where a usage error's command explains its options: ` (see `cvl train --help`)`."""
+    ctx = getattr(e, "ctx", None)
+    return f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script; returns the exit code."""
     debug = os.environ.get("CVL_DEBUG") == "1"
@@ -77,12 +89,19 @@ def main(argv: list[str] | None = None) -> int:
     except click.ClickException as e:
         if debug:
             raise
-        e.show()
+        click.echo(f"error: {one_line(e.format_message())}{_help_hint(e)}", err=True)
         return 2
     except CvlError as e:
         if debug:
             raise
         click.echo(f"error: {e}", err=True)
+        return 2
+    except OSError as e:  # the filesystem refused a write (full, read-only, ...): one line
+        from cvl.io import write_failure, write_failure_message
+
+        if debug or not write_failure(e):
+            raise
+        click.echo(f"error: {write_failure_message(e, e.filename or 'a file', None)}", err=True)
         return 2
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)

@@ -157,7 +157,7 @@ def test_cosine_schedule():
     [
         (["--method", "nope"], "unknown method 'nope'"),
         (["--buffer-size", "10"], "--buffer-size given without --buffer"),
-        (["--epochs", "0"], "--epochs must be positive"),
+        (["--epochs", "0"], "'--epochs': must be an integer >= 1, got 0"),
         (["--method-arg", "cumulative"], "expected NAME=VALUE"),
         (["--method", "joint", "--method-arg", "alpha=2"], "has no argument 'alpha'"),
         (["--device", "tpu"], "expected auto, cpu, cuda or cuda:N"),

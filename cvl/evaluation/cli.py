@@ -6,15 +6,10 @@ from pathlib import Path
 
 import click
 
+from cvl.checks import NON_NEGATIVE_INT, POSITIVE_INT
 from cvl.device import deterministic_option, device_option
 from cvl.errors import CvlError
 from cvl.evaluation.options import DEFAULT_IMAGE_CACHE_MB, precision_option, workers_option
-
-
-def _positive(ctx: click.Context, param: click.Parameter, value: int) -> int:
-    if value is not None and value <= 0:
-        raise click.BadParameter(f"must be a positive integer, got {value}")
-    return value
 
 
 def _lock_eval(run: str, out: str | None, acc):  # noqa: ANN202 (FolderLock | None)
@@ -52,7 +47,7 @@ def _existing_metrics(run: Path) -> dict | None:
     help="Checkpoints to evaluate: all, last, or a comma list of task names/indices (and 'init').",
 )
 @click.option(
-    "--batch-size", default=256, show_default=True, callback=_positive, help="Embedding batch size."
+    "--batch-size", default=256, show_default=True, type=POSITIVE_INT, help="Embedding batch size."
 )
 @click.option(
     "--out",
@@ -110,7 +105,7 @@ def _existing_metrics(run: Path) -> dict | None:
     "--probe-train",
     default=500,
     show_default=True,
-    callback=_positive,
+    type=POSITIVE_INT,
     help="Training images per task for the linear probe (evenly subsampled).",
 )
 @click.option(
@@ -126,7 +121,7 @@ def _existing_metrics(run: Path) -> dict | None:
 )
 @click.option(
     "--image-cache-mb",
-    type=click.IntRange(min=0),
+    type=NON_NEGATIVE_INT,
     default=DEFAULT_IMAGE_CACHE_MB,
     show_default=True,
     help="Memory for decoded eval images (uint8, after resize + crop) kept across checkpoints "

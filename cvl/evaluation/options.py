@@ -17,6 +17,8 @@ from typing import Any
 
 import click
 
+from cvl.checks import WORKERS
+
 PRECISIONS = ("no", "bf16", "fp16")
 PRECISION_NOTES = {
     "no": "float32 embedding passes (exact)",
@@ -92,7 +94,7 @@ def workers_option(f: Callable) -> Callable:
     """`--workers` for an evaluation command (decoding the eval images)."""
     return click.option(
         "--workers",
-        type=click.IntRange(min=-1),
+        type=WORKERS,
         default=-1,
         show_default=True,
         help="Loader worker processes decoding the eval images: -1 = auto (as cvl train: the "

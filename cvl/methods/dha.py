@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 from cvl.errors import CvlError
-from cvl.methods.base import Method, TaskContext, base_loss
+from cvl.methods.base import Method, TaskContext, base_loss, state_mismatch
 from cvl.methods.registry import register
 
 
@@ -148,11 +148,10 @@ class DHA(Method):
         saved = state.get("hist")
         if not saved:
             return
-        if self.hist is None or set(saved) != set(self.names):
-            raise CvlError(
-                "method 'dha': the saved historical model does not match this task's model "
-                "(resume state loaded outside a task, or a different architecture)"
-            )
+        if self.hist is None:
+            raise CvlError("method 'dha': a historical model can only be loaded inside a task")
+        if set(saved) != set(self.names):
+            raise CvlError(state_mismatch("dha", "hist", saved, self.names))
         with torch.no_grad():
             for n, h in zip(self.names, self.hist):
                 h.copy_(saved[n])

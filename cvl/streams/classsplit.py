@@ -29,6 +29,7 @@ from typing import Any
 
 import click
 
+from cvl.checks import NON_NEGATIVE_INT, POSITIVE_INT, SEED, Num
 from cvl.errors import CvlError
 from cvl.io import atomic_dir, read_json
 from cvl.streams.manifest import EvalSet, Manifest, TaskInfo, load_manifest, save_manifest
@@ -403,12 +404,6 @@ def build_class_split(
     return load_manifest(out), report.to_json()
 
 
-def _positive(ctx: click.Context, param: click.Parameter, value: int | None) -> int | None:
-    if value is not None and value <= 0:
-        raise click.BadParameter(f"must be a positive integer, got {value}")
-    return value
-
-
 @click.command("class-split")
 @click.option(
     "--from",
@@ -426,34 +421,35 @@ def _positive(ctx: click.Context, param: click.Parameter, value: int | None) -> 
     "categories; auto = the stream's only labels folder.",
 )
 @click.option(
-    "--steps", default=4, show_default=True, callback=_positive, help="Tasks (class groups)."
+    "--steps", default=4, show_default=True, type=POSITIVE_INT, help="Tasks (class groups)."
 )
-@click.option("--seed", default=0, show_default=True, help="Seed of the class order and caps.")
+@click.option(
+    "--seed", type=SEED, default=0, show_default=True, help="Seed of the class order and caps."
+)
 @click.option(
     "--ordered", is_flag=True, help="Cut the classes in index order instead of a seeded order."
 )
 @click.option(
     "--min-score",
-    type=float,
+    type=Num(float, 0, 1),
     default=None,
     help="Drop samples whose pseudo-label confidence is lower (0..1).",
 )
 @click.option(
     "--per-task",
-    type=int,
     default=None,
-    callback=_positive,
+    type=POSITIVE_INT,
     help="At most N training pairs per task (seeded) [all].",
 )
 @click.option(
     "--eval-per-task",
-    type=int,
     default=None,
-    callback=_positive,
+    type=POSITIVE_INT,
     help="At most N pairs per task in each eval set [all].",
 )
 @click.option(
     "--test",
+    type=NON_NEGATIVE_INT,
     default=0,
     show_default=True,
     help="Test pairs per task held out from its training pairs (eval set 'test').",
@@ -466,7 +462,7 @@ def _positive(ctx: click.Context, param: click.Parameter, value: int | None) -> 
     "classifier's, first synonym), or a file; auto = imagenet for 1000 classes.",
 )
 @click.option("--name", default=None, help="Stream name [folder name].")
-@click.option("--shard-size", default=10000, show_default=True, callback=_positive)
+@click.option("--shard-size", default=10000, show_default=True, type=POSITIVE_INT)
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def class_split_cmd(
@@ -498,8 +494,6 @@ def class_split_cmd(
     """
     from cvl.streams.cli import echo_summary
 
-    if test < 0:
-        raise click.BadParameter(f"must be >= 0, got {test}", param_hint="--test")
     opts = ClassSplitOptions(
         steps=steps,
         labels=labels,

@@ -29,9 +29,10 @@ from typing import Any
 import click
 import numpy as np
 
+from cvl.checks import POSITIVE_INT
 from cvl.errors import CvlError
 from cvl.streams.manifest import Manifest
-from cvl.streams.options import build_options, common_options, finish, positive, split_options
+from cvl.streams.options import build_options, common_options, finish, split_options
 from cvl.streams.pipeline import (
     SPLITS,
     BuildOptions,
@@ -505,9 +506,8 @@ def build_table(
 @click.option("--task-name", default="all", show_default=True, help="Task name without --task-col.")
 @click.option(
     "--limit-per-task",
-    type=int,
     default=None,
-    callback=positive,
+    type=POSITIVE_INT,
     help="With --task-col: at most N training pairs per task (seeded).",
 )
 @split_options(1)

@@ -52,6 +52,14 @@ from cvl.train.config import TrainConfig
 from cvl.train.cost import CostTracker
 from cvl.train.guards import NonFiniteGuards
 from cvl.train.optim import optimizer_with_schedule, seed_torch
+from cvl.train.plan import (
+    BN_MESSAGE,
+    batchnorm_message,
+    check_plan,
+    check_run,
+    needs_two_rows,
+    plan_steps,
+)
 from cvl.train.rundir import LAST, RunFolder
 from cvl.train.selection import BestKeeper, selection_set, val_score
 
@@ -158,6 +166,8 @@ class Trainer(RunFolder, NonFiniteGuards):
             raise CvlError(
                 f"method '{cfg.method}' needs a replay buffer: add --buffer {hint} --buffer-size N"
             )
+        # settings that leave a task without a step: refused before anything is written
+        self._plans = check_run(cfg, self.manifest, self.method, self.acc.num_processes)
         self._lock_run_dir()
         try:
             self._prepare_run_dir(force)
@@ -278,8 +288,6 @@ class Trainer(RunFolder, NonFiniteGuards):
     def _run(self) -> None:
         cfg, acc = self.cfg, self.acc
         self.order = list(self.manifest.task_order)
-        if self.acc.is_main_process and self._trackers(cfg.log_with):
-            acc.init_trackers("cvl", config={k: str(v) for k, v in cfg.to_json().items()})
         buffer = None
         if cfg.buffer:
             from cvl.methods.buffers import build_buffer
@@ -299,6 +307,9 @@ class Trainer(RunFolder, NonFiniteGuards):
         indices = [len(self.order) - 1] if single else list(range(len(self.order)))
         self.indices = indices
         start, pos = self._resume_point(indices, ctx)
+        todo = any(ti >= start for ti in indices)  # a finished run writes nothing, not even logs
+        if todo and self.acc.is_main_process and self._trackers(cfg.log_with):
+            acc.init_trackers("cvl", config={k: str(v) for k, v in cfg.to_json().items()})
         with nondeterministic_ops_stop(acc.device):  # deterministic mode: name the op, one line
             for ti in indices:
                 if ti < start:
@@ -317,7 +328,12 @@ class Trainer(RunFolder, NonFiniteGuards):
         batch["image"] = device_images(batch, transform, acc.device)
         batch["text"] = batch["text"].to(acc.device, non_blocking=True)
         with acc.autocast():
-            out = forward(batch["image"], batch["text"])
+            try:
+                out = forward(batch["image"], batch["text"])
+            except ValueError as e:  # a batch BatchNorm cannot train on: one line
+                if BN_MESSAGE not in str(e):
+                    raise
+                raise CvlError(batchnorm_message(ctx.task_name, batch["image"].shape[0])) from None
             terms = self.method.loss(batch, out, ctx)
         if not terms:
             raise CvlError(f"method '{self.cfg.method}' returned no loss terms")
@@ -354,6 +370,7 @@ class Trainer(RunFolder, NonFiniteGuards):
         self.cost.begin_task(pos.get("cost") if pos else None)
         self._budget_rec: dict | None = None
         if not self.method.trains:
+            self._no_step = f"method {cfg.method} does not train"
             self._finish_task(ti, ctx, [])
             return
         self.tuning.begin_task(self.model, self._tune_seed(ti))
@@ -373,13 +390,13 @@ class Trainer(RunFolder, NonFiniteGuards):
             name=f"task {name}",
         )
         gb = cfg.batch_size * acc.num_processes
-        batches_per_epoch = len(global_batches(len(ds), gb, 0, 0))
-        steps_per_epoch = max(1, batches_per_epoch // cfg.grad_accum)
-        total = steps_per_epoch * cfg.epochs
-        if cfg.max_steps_per_task:
-            total = min(total, cfg.max_steps_per_task)
-        ctx.steps_in_task = total
-        if self.budget is not None:  # the steps the task's budget buys (cvl.train.budget)
+        plan = plan_steps(len(ds), cfg, acc.num_processes)  # the steps it gets (cvl.train.plan)
+        check_plan(plan, name, cfg, stop_on_zero_steps=False)
+        if plan.min_rows == 1 and needs_two_rows(self.model, acc.device):
+            raise CvlError(batchnorm_message(name, 1))
+        total = ctx.steps_in_task = plan.steps
+        self._no_step = plan.why_no_step(cfg)  # said in task.json and on the console
+        if self.budget is not None and total:  # the steps its budget buys (cvl.train.budget)
             total, self._budget_rec = plan_task(self, ctx, ds, gb, total, pos)
             ctx.steps_in_task = total
         elif cfg.compile and self.cost.enabled and not self.cost.has_step:
@@ -398,6 +415,7 @@ class Trainer(RunFolder, NonFiniteGuards):
                     self._validate(sel, ctx, epoch0 - 1)  # saved right after that epoch's end
         elif acc.is_main_process and self._log_path.exists():
             self._log_path.unlink()
+        self._commit_run_json()  # a resumed run's run.json, once its state has loaded (rundir)
         ctx.global_step = sum(self._steps_done_before(ti)) + ctx.step
         self.model.train()
         bar = tqdm(
@@ -409,8 +427,7 @@ class Trainer(RunFolder, NonFiniteGuards):
             dynamic_ncols=True,
         )
         seed_task = sample_seed(cfg.seed, ti)
-        n_batches = len(global_batches(len(ds), gb, seed_task, 0))
-        usable = (n_batches // cfg.grad_accum) * cfg.grad_accum or n_batches
+        usable = plan.usable_batches  # batches of an epoch that complete an optimizer step
 
         def plan():  # the global batches still to train, over all epochs (lazy), no more
             left = max(0, total - ctx.step) * cfg.grad_accum

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import click
@@ -160,7 +159,7 @@ def rotation_cmd(
         max_samples=max_samples,
         batch_size=batch_size,
         chunk_elems=max(1, chunk_mb * (1 << 20) // 8),
-        progress=not quiet and sys.stderr.isatty(),  # bars only on a terminal, as cvl eval
+        progress=not quiet,  # drawn on a terminal only (cvl.progress)
         device=dev,
         workers=workers,
         precision=precision,

@@ -9,6 +9,7 @@ too (`--device` and `--deterministic` are `cvl.device`'s).
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -78,6 +79,20 @@ class EvalOptions:
             d.pop("precision")
         d["zs_folders"] = [str(Path(f).absolute()) for f in self.zs_folders]
         return d
+
+    def report_fields(self) -> dict[str, Any]:
+        """The settings a metrics.json's numbers depend on (recorded in it as "settings"): the
+        cache key's options and whether the initial weights were evaluated (the zero-shot
+        row, FWT). `cvl eval --compare` reuses a run's metrics.json only when they match."""
+        return json.loads(json.dumps({**self.key_fields(), "init": self.init}, default=str))
+
+
+def settings_diff(old: dict[str, Any] | None, new: dict[str, Any]) -> list[str]:
+    """'name: old -> new' for every setting that differs between two `report_fields()`."""
+    if old is None:
+        return ["settings: not recorded (an older cvl wrote it)"]
+    keys = sorted(set(old) | set(new))
+    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
 
 
 def resolve_workers(workers: int, accelerator: Any = None) -> int:

@@ -144,7 +144,8 @@ class Method:
                 raise CvlError(f"method '{cls.name}' has no argument '{k}' (arguments: {known})")
             out[k] = check_scalar(v, cls.defaults[k], f"method '{cls.name}': {k}")
         for k, rule in cls.limits.items():
-            out[k] = rule.check(out[k], f"method '{cls.name}': {k}")
+            if k in out:  # a subclass may drop an argument of the class it extends
+                out[k] = rule.check(out[k], f"method '{cls.name}': {k}")
         return out
 
     def check_choice(self, key: str, choices: tuple[str, ...]) -> None:

@@ -199,9 +199,8 @@ def build_class_split(
     src: str | Path, out: str | Path, opts: ClassSplitOptions
 ) -> tuple[Manifest, dict[str, Any]]:
     """Write the class-incremental stream `out` from the labelled stream `src`."""
-    from tqdm import tqdm
-
     from cvl.data.reader import _FILES
+    from cvl.progress import progress_bar
     from cvl.streams.pseudolabel import read_labels
     from cvl.streams.writer import BuildReport, ShardSink
 
@@ -307,7 +306,7 @@ def build_class_split(
     with atomic_dir(out, overwrite=opts.overwrite, kind="stream", inputs=[src]) as tmp:
         train_sets, eval_sets = {}, {s: {} for s in eval_kinds}
         total = sum(len(v) for v in chosen.values())
-        bar = tqdm(total=total, desc="class split", unit="img", disable=not opts.progress)
+        bar = progress_bar(total=total, desc="class split", unit="img", show=opts.progress)
         for t in tasks:
             for split in ["train", *eval_kinds]:
                 rows = chosen.get((split, t))

@@ -240,9 +240,9 @@ def label_stream(stream: str | os.PathLike, opts: LabelOptions, accelerator: Any
 
 def _label_stream(stream: str | os.PathLike, opts: LabelOptions, accelerator: Any) -> dict:
     import torch
-    from tqdm import tqdm
 
     from cvl.data.reader import index_shard
+    from cvl.progress import progress_bar
     from cvl.streams.manifest import load_manifest
 
     manifest = load_manifest(stream)
@@ -307,13 +307,13 @@ def _label_stream(stream: str | os.PathLike, opts: LabelOptions, accelerator: An
         num_workers=opts.num_workers,
         pin_memory=device.type == "cuda",
     )
-    bar = tqdm(
+    bar = progress_bar(
         total=len(entries),
         desc=f"labelling ({len(todo)}/{len(units)} units to do"
         + (f", {world} processes" if world > 1 else "")
         + ")",
         unit="img",
-        disable=not (opts.progress and main),
+        show=opts.progress and main,
     )
     lines: list[str] = []
     t0 = time.perf_counter()

@@ -33,15 +33,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.pool import Pool
 from pathlib import Path
+from typing import Any
 
 import click
 import numpy as np
 from PIL import Image, ImageDraw
-from tqdm import tqdm
 
 from cvl.checks import NON_NEGATIVE_INT, POSITIVE_INT, SEED
 from cvl.errors import CvlError
 from cvl.io import atomic_dir
+from cvl.progress import progress_bar
 from cvl.streams.manifest import EvalSet, Manifest, TaskInfo, save_manifest
 from cvl.streams.options import echo_summary
 from cvl.streams.writer import BuildReport, ShardSink, encode_jpeg
@@ -408,7 +409,7 @@ def _write_tasks(
     spec: SynthSpec,
     tasks_def: list[tuple[str, list[dict], dict[str, int]]],
     report: BuildReport,
-    bar: tqdm,
+    bar: Any,
     pool: Pool | None = None,
 ) -> tuple[dict[str, TaskInfo], dict[str, EvalSet]]:
     """Draw and write every split of every task; a task samples from one or several domains.
@@ -510,7 +511,7 @@ def build_synthetic(
         else "disjoint shapes and style per task; own background tint"
     )
     with atomic_dir(out, overwrite=overwrite, kind="stream") as tmp, _pool(processes) as pool:
-        bar = tqdm(total=total, desc="synthetic", unit="img", disable=not progress, leave=False)
+        bar = progress_bar(total=total, desc="synthetic", unit="img", show=progress, leave=False)
         tasks, eval_sets = _write_tasks(tmp, spec, defs, report, bar, pool)
         if spec.pretrain:
             ptmp = tmp / PRETRAIN_DIR

@@ -271,9 +271,9 @@ def collect(
 
 
 def _progress(it: Iterator[Record], on: bool) -> Iterator[Record]:
-    from tqdm import tqdm
+    from cvl.progress import progress_bar
 
-    return iter(tqdm(it, desc="reading", unit="rec", disable=not on, leave=False, mininterval=1.0))
+    return iter(progress_bar(it, desc="reading", unit="rec", show=on, leave=False, mininterval=1.0))
 
 
 FILE_STRIDE = 10**10  # record numbers of several files: file index * stride + record number

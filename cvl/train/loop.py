@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from cvl.data.augment import device_images, train_transform
 from cvl.data.reader import (
@@ -45,6 +44,7 @@ from cvl.dist import GradReducer, world_size
 from cvl.errors import CvlError
 from cvl.methods.base import Method, TaskContext, frozen_copy
 from cvl.methods.registry import get_method
+from cvl.progress import progress_bar
 from cvl.runs import MODEL_FILE, task_dir
 from cvl.streams.manifest import Manifest, load_manifest
 from cvl.train.budget import measure_step, parse_budget, plan_task
@@ -418,11 +418,11 @@ class Trainer(RunFolder, NonFiniteGuards):
         self._commit_run_json()  # a resumed run's run.json, once its state has loaded (rundir)
         ctx.global_step = sum(self._steps_done_before(ti)) + ctx.step
         self.model.train()
-        bar = tqdm(
+        bar = progress_bar(
             total=total,
             initial=ctx.step,
             desc=f"task {ti + 1}/{len(self.order)} {name}",
-            disable=not (self.progress and acc.is_main_process),
+            show=self.progress and acc.is_main_process,
             unit="step",
             dynamic_ncols=True,
         )
@@ -528,7 +528,7 @@ class Trainer(RunFolder, NonFiniteGuards):
         self._finish_task(ti, ctx, [])
 
     def _flush_log(
-        self, window: _LogWindow, ctx: TaskContext, epoch: int, lr: float, bar: tqdm
+        self, window: _LogWindow, ctx: TaskContext, epoch: int, lr: float, bar: Any
     ) -> None:
         """Reduce the window across ranks (one all_reduce per line) and log it.
 

@@ -114,7 +114,34 @@ def check_run(cfg: Any, manifest: Any, method: Any, processes: int) -> dict[str,
         plan = plan_steps(n, cfg, processes)
         check_plan(plan, order[ti], cfg, stop_on_zero_steps=True)
         plans[order[ti]] = plan
+    _check_samples_budget(cfg, counts, order, method, processes)
     return plans
+
+
+def _check_samples_budget(
+    cfg: Any, counts: list[int], order: list[str], method: Any, processes: int
+) -> None:
+    """`--budget samples=N` is known before training: a task whose share is less than one
+    optimizer step's samples would train a step it cannot pay for (the loop's minimum of one
+    step), so the budget is refused. (tflops / maf are measured per task by the loop.)"""
+    from cvl.train.budget import parse_budget, task_share
+
+    b = parse_budget(cfg.budget)
+    if b is None or b.kind != "samples":
+        return
+    single = getattr(method, "single_task", False)
+    indices = [len(order) - 1] if single else list(range(len(order)))
+    trained = {i: counts[i] for i in indices}
+    per_step = cfg.batch_size * processes * cfg.grad_accum
+    for ti in indices:
+        share = task_share(b, trained, ti, len(order), single)
+        if share < per_step:
+            raise CvlError(
+                f"--budget {b.spec}: task {order[ti]}'s share, {share:.4g} samples, is less than "
+                f"one optimizer step ({per_step} samples: --batch-size {cfg.batch_size} × "
+                f"{processes} process(es) × --grad-accum {cfg.grad_accum}); raise the budget or "
+                "lower the batch (nothing was written)"
+            )
 
 
 def batchnorm_message(task: str, rows: int) -> str:

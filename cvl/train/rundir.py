@@ -85,13 +85,14 @@ class RunFolder:
     def _note_runtime_change(self, old: dict[str, Any]) -> None:
         """Keep the earlier sessions' runtimes that differ; say when determinism changes."""
         self._earlier_runtimes = list(old.get("earlier_runtimes") or [])
+        self._notes: list[str] = getattr(self, "_notes", [])
         before, now = old.get("runtime"), self._runtime()
         if not before or before == now:
             return
         self._earlier_runtimes.append(before)
-        if before.get("deterministic") != now["deterministic"] and self.acc.is_main_process:
+        if before.get("deterministic") != now["deterministic"]:  # said when it trains (commit)
             flag = "--deterministic" if now["deterministic"] else "--no-deterministic"
-            self.acc.print(
+            self._notes.append(
                 f"note: {self.out} continues with {flag} (it trained with the other mode so "
                 "far); run.json records both: an exact rerun needs the same mode throughout"
             )
@@ -174,8 +175,8 @@ class RunFolder:
 
         make_dirs(self.out)
         history = self._history
-        if getattr(self, "_force_note", None):  # said once it holds (the resume has loaded)
-            self.acc.print(self._force_note)
+        for note in getattr(self, "_notes", []):  # said once they hold (the resume has loaded)
+            self.acc.print(note)
         write_json(
             self.out / RUN_JSON, {**self._run_json(), **({"changes": history} if history else {})}
         )
@@ -251,9 +252,7 @@ class RunFolder:
             }
         )
         where = f"task {start}" + (f", step {pos['step']}" if pos is not None else "")
-        self._force_note = (
-            f"--force: {', '.join(sorted(fields)) or 'stream'} changed from {where} on"
-        )
+        self._notes = [f"--force: {', '.join(sorted(fields)) or 'stream'} changed from {where} on"]
         return history
 
     def _resume_point(self, indices: list[int], ctx: TaskContext) -> tuple[int, dict | None]:

@@ -71,6 +71,23 @@ def _help_hint(e: click.ClickException) -> str:
     return f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
 
 
+# What torch's gloo and NCCL backends say when the other end of a collective is gone.
+_PEER_LOST = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Broken pipe",
+    "remote process exited",
+    "NCCL communicator was aborted",
+)
+
+
+def _peer_lost(e: BaseException) -> bool:
+    """A distributed collective failed because another process of the launch is gone."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and any(p in str(e) for p in _PEER_LOST)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script; returns the exit code."""
     debug = os.environ.get("CVL_DEBUG") == "1"
@@ -102,6 +119,16 @@ def main(argv: list[str] | None = None) -> int:
         if debug or not write_failure(e):
             raise
         click.echo(f"error: {write_failure_message(e, e.filename or 'a file', None)}", err=True)
+        return 2
+    except RuntimeError as e:  # a collective whose peer died (its node lost): one line
+        if debug or not _peer_lost(e):
+            raise
+        click.echo(
+            "error: another process of this run stopped (its node died, was killed or lost the "
+            f"network: {one_line(str(e).split(']', 1)[-1])[:160]}); once every node is back, "
+            "rerun the same command on each to resume from the last checkpoint",
+            err=True,
+        )
         return 2
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)

@@ -200,7 +200,7 @@ def test_a_build_that_runs_out_of_space_says_so_in_one_line_about_the_build(tmp_
     )
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: "), r.stderr
-    assert f"{out}: {says} while writing it" in r.stderr
+    assert f"{out}: {says}" in r.stderr and "while writing it" in r.stderr
     assert "a stream is built in a temporary folder and renamed only when complete" in r.stderr
     assert "a run resumes" not in r.stderr and "checkpoint" not in r.stderr
     assert not out.exists() and not list(tmp_path.glob(".s.*"))

@@ -45,9 +45,9 @@ def test_every_numeric_option_of_every_command_has_a_rule():
     assert seen > 100 and not unchecked, unchecked
 
 
-def _yaml(tmp: Path, text: str) -> list[str]:
+def _yaml(tmp: Path, *lines: str) -> list[str]:
     f = tmp / "c.yaml"
-    f.write_text(text)
+    f.write_text("".join(x + "\n" for x in lines))
     return ["--config", str(f)]
 
 
@@ -67,24 +67,28 @@ REFUSED = [  # (extra cvl train arguments, what the line says)
     (["--budget", "samples=12"], "task t0's share, 4 samples, is less than one optimizer step"),
     (["--method", "dkr", "--method-arg", "rnk_star=maybe"], "rnk_star must be true or false"),
     (["--method", "ewc", "--method-arg", "lam=.nan"], "lam must be a finite number, got nan"),
-    (["--method", "ewc", "--method-arg", "fisher_batches=2.5"], "must be an integer >= 0"),
+    (["--method", "ewc", "--method-arg", "fisher_batches=2.5"], "must be an integer, got 2.5"),
     (["--method", "ctp", "--method-arg", "momentum=1.5"], "momentum must be a finite number in"),
     (["--tune", "lora", "--tune-arg", "alpha=nan"], "--tune-arg alpha must be a finite number > 0"),
     (["--tune", "lora", "--tune-arg", "rank=2.5"], "--tune-arg rank must be an integer >= 1"),
-    ("beta1: 1.5\n", "beta1 (--config) must be a finite number in [0, 1), got 1.5"),
-    ("eps: .nan\n", "eps (--config) must be a finite number > 0, got nan"),
-    ("epochs: 2.5\n", "--epochs must be an integer >= 1, got 2.5"),
-    ("compile: 'no way'\n", "--compile must be true or false, got 'no way'"),
-    ("method_args: {cumulative: maybe}\nmethod: joint\n", "cumulative must be true or false"),
+    # a --config YAML (explicit options win over it, so these keys are not on the command line)
+    (["yaml:beta1: 1.5"], "beta1 (--config) must be a finite number in [0, 1), got 1.5"),
+    (["yaml:eps: .nan"], "eps (--config) must be a finite number > 0, got nan"),
+    (["yaml:log_every: 2.5"], "--log-every must be an integer >= 1, got 2.5"),
+    (["yaml:compile: 'no way'"], "--compile must be true or false, got 'no way'"),
+    (["--method", "joint", "yaml:method_args: {cumulative: maybe}"], "cumulative must be true"),
 ]
 
 
-@pytest.mark.parametrize("extra, says", REFUSED, ids=[str(x[0])[:40] for x in REFUSED])
+@pytest.mark.parametrize("extra, says", REFUSED, ids=[" ".join(x[0])[-40:] for x in REFUSED])
 def test_settings_that_train_nothing_or_wrongly_are_refused_before_anything_is_written(
     tiny, tmp_path, capsys, extra, says
 ):
     out = tmp_path / "runs" / "r"
-    extra = _yaml(tmp_path, extra) if isinstance(extra, str) else extra
+    yaml = [x[5:] for x in extra if x.startswith("yaml:")]
+    extra = [x for x in extra if not x.startswith("yaml:")] + (
+        _yaml(tmp_path, *yaml) if yaml else []
+    )
     assert main([*train_argv(tiny, out, "seqft"), *extra]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1, err

@@ -1,7 +1,9 @@
 """Training faults end in one clear line or in a truthful run: `--force` with new optimizer
-settings applies them from the resumed step (and run.json records it), a full disk or an
-unreadable mid-task checkpoint says what to do, and non-finite losses or weights stop a run
-with a message that promises only what exists."""
+settings applies them from the resumed step (and run.json records it), a `--force` resume
+that cannot load its state leaves run.json as it was, a full disk (also while torch.save
+writes the optimizer state), a read-only filesystem or an unreadable mid-task checkpoint says
+what to do, and non-finite losses or weights stop a run with a message that promises only
+what exists."""
 
 from __future__ import annotations
 

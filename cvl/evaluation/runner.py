@@ -163,6 +163,8 @@ def select(cks: list[Checkpoint], spec: str, with_init: bool) -> list[Checkpoint
     if spec == "last":
         return [tasks[-1]]
     want = [w.strip() for w in spec.split(",") if w.strip()]
+    if not want:  # '' would evaluate nothing and report only what the cache holds
+        raise CvlError(f"--tasks {spec!r}: give all, last, or task names / indices (and init)")
     chosen = []
     for w in want:
         if w == INIT_DIR:

@@ -144,3 +144,18 @@ def test_a_task_left_without_an_optimizer_step_says_so_instead_of_saved(tmp_path
     assert "task 1/3 t0: saved" in said and "task 2/3 t1: saved" not in said
     assert "task 2/3 t1: no optimizer step (12 training pairs make 1 global batch" in said
     assert "keeps its start weights" in said
+
+
+def test_a_value_the_optimizer_rejects_is_one_line():
+    """The rules refuse what AdamW / LAMB would; should a value get past them (an API caller,
+    a new optimizer check), the optimizer's ValueError is still one line, not a traceback."""
+    import torch
+
+    from cvl.errors import CvlError
+    from cvl.train.config import TrainConfig
+    from cvl.train.optim import optimizer_with_schedule
+
+    cfg = TrainConfig(stream="s", out="o")
+    cfg.beta1 = 1.5  # set after validation, as a caller could
+    with pytest.raises(CvlError, match=r"the optimizer refuses the settings \(Invalid beta"):
+        optimizer_with_schedule([torch.nn.Parameter(torch.zeros(2, 2))], cfg, 4)

@@ -390,12 +390,12 @@ class Trainer(RunFolder, NonFiniteGuards):
             name=f"task {name}",
         )
         gb = cfg.batch_size * acc.num_processes
-        plan = plan_steps(len(ds), cfg, acc.num_processes)  # the steps it gets (cvl.train.plan)
-        check_plan(plan, name, cfg, stop_on_zero_steps=False)
-        if plan.min_rows == 1 and needs_two_rows(self.model, acc.device):
+        steps = plan_steps(len(ds), cfg, acc.num_processes)  # what it gets (cvl.train.plan)
+        check_plan(steps, name, cfg, stop_on_zero_steps=False)
+        if steps.min_rows == 1 and needs_two_rows(self.model, acc.device):
             raise CvlError(batchnorm_message(name, 1))
-        total = ctx.steps_in_task = plan.steps
-        self._no_step = plan.why_no_step(cfg)  # said in task.json and on the console
+        total = ctx.steps_in_task = steps.steps
+        self._no_step = steps.why_no_step(cfg)  # said in task.json and on the console
         if self.budget is not None and total:  # the steps its budget buys (cvl.train.budget)
             total, self._budget_rec = plan_task(self, ctx, ds, gb, total, pos)
             ctx.steps_in_task = total
@@ -427,7 +427,7 @@ class Trainer(RunFolder, NonFiniteGuards):
             dynamic_ncols=True,
         )
         seed_task = sample_seed(cfg.seed, ti)
-        usable = plan.usable_batches  # batches of an epoch that complete an optimizer step
+        usable = steps.usable_batches  # batches of an epoch that complete an optimizer step
 
         def plan():  # the global batches still to train, over all epochs (lazy), no more
             left = max(0, total - ctx.step) * cfg.grad_accum

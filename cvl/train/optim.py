@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from cvl.errors import CvlError
+
 
 def cosine_schedule(total: int, warmup: float, base_lr: float, min_lr: float):
     """LR multiplier: linear warm-up, then cosine from base_lr to min_lr over `total` steps."""
@@ -34,12 +36,18 @@ def optimizer_with_schedule(params: list, cfg: Any, steps: int):
         {"params": no_decay, "weight_decay": 0.0},
     ]
     betas = (cfg.beta1, cfg.beta2)
-    if getattr(cfg, "optimizer", "adamw") == "lamb":
-        from timm.optim import Lamb
+    try:  # the config's rules (cvl.train.config.LIMITS) check these first; this is the backstop
+        if getattr(cfg, "optimizer", "adamw") == "lamb":
+            from timm.optim import Lamb
 
-        opt = Lamb(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, max_grad_norm=None)
-    else:
-        opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
+            opt = Lamb(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, max_grad_norm=None)
+        else:
+            opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
+    except ValueError as e:
+        raise CvlError(
+            f"the optimizer refuses the settings ({e}): check --lr, --weight-decay and the "
+            "--config values beta1, beta2, eps"
+        ) from None
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, cosine_schedule(steps, cfg.warmup, cfg.lr, cfg.min_lr)
     )

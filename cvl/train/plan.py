@@ -51,6 +51,8 @@ class TaskPlan:
         """Why the task takes no optimizer step (None when it takes some)."""
         if self.steps > 0:
             return None
+        if self.items == 0:
+            return "the task has no training pairs"
         n, b = self.items, self.global_batch
         batches = (
             f"{n} training pairs make {self.batches_per_epoch} global batch(es) of "
@@ -85,9 +87,9 @@ def check_plan(plan: TaskPlan, task: str, cfg: Any, *, stop_on_zero_steps: bool)
         )
     why = plan.why_no_step(cfg)
     if why and stop_on_zero_steps:
+        fix = "; lower --grad-accum or --batch-size" if plan.items else ""
         raise CvlError(
-            f"task {task}: no optimizer step would be taken: {why}; lower --grad-accum or "
-            "--batch-size (nothing was written)"
+            f"task {task}: no optimizer step would be taken: {why}{fix} (nothing was written)"
         )
 
 

@@ -415,7 +415,7 @@ class Trainer(RunFolder, NonFiniteGuards):
                     self._validate(sel, ctx, epoch0 - 1)  # saved right after that epoch's end
         elif acc.is_main_process and self._log_path.exists():
             self._log_path.unlink()
-        self._commit_run_json()  # a resumed run's run.json, once its state has loaded (rundir)
+        self._commit_run_json()  # a resumed run's run.json, once all it needs has loaded
         ctx.global_step = sum(self._steps_done_before(ti)) + ctx.step
         self.model.train()
         bar = progress_bar(

@@ -161,8 +161,9 @@ class RunFolder:
         """Write run.json (config, --force changes, runtime) and a missing init/, once.
 
         A new run writes them at its start. A resumed run writes them only once everything
-        the resume needs has been loaded (the last finished task's method state, last/'s
-        weights, optimizer and method state), as checkpoints are built aside and swapped in:
+        the resume needs has been loaded (the last finished task's method state; last/'s
+        weights, optimizer, method state and best-val keeper: the loop calls this before the
+        first step it trains), as checkpoints are built aside and swapped in:
         a refused or failed resume leaves the run folder as it was, and a run with nothing
         left to train writes nothing at all (it may sit on a read-only filesystem)."""
         if self._committed:
@@ -329,7 +330,6 @@ class RunFolder:
                 "(finished tasks are kept)"
             ) from None
         self._apply_forced_settings(opt, sched, total)
-        self._commit_run_json()  # everything the resume needs is loaded: now run.json
 
     def _apply_forced_settings(self, opt: Any, sched: Any, total: int) -> None:
         """After a --force resume that changed lr, min_lr, warmup, weight decay, betas or eps:

@@ -28,7 +28,7 @@ def _lock_eval(run: str, out: str | None, acc):  # noqa: ANN202 (FolderLock | No
     return lock_on_main(Path(out) if out else Path(run) / "eval", acc)
 
 
-def _existing_metrics(run: Path, opts: EvalOptions) -> dict | None:
+def _existing_metrics(run: Path, opts: EvalOptions, say: bool = True) -> dict | None:
     """RUN/eval/metrics.json when it covers every finished task checkpoint and was computed
     with the settings asked for now (`EvalOptions.report_fields`), else None: the run is
     then evaluated again (its per-checkpoint cache serves what it holds for these settings),
@@ -44,14 +44,13 @@ def _existing_metrics(run: Path, opts: EvalOptions) -> dict | None:
     if m.get("rows") != labels:
         return None
     diff = settings_diff(m.get("settings"), opts.report_fields())
-    if diff:
+    if diff and say:  # (the main process says it)
         click.echo(
             f"note: {mfile} was computed with other settings ({'; '.join(diff)}): "
             "evaluating the run again with these",
             err=True,
         )
-        return None
-    return m
+    return None if diff else m
 
 
 @click.command("eval")
@@ -246,7 +245,7 @@ def eval_cmd(
             raise CvlError("--compare needs run folders: cvl eval --compare RUN1 RUN2 ...")
         ms = []
         for r in targets:
-            m = _existing_metrics(Path(r), opts) if not force and stream is None else None
+            m = _existing_metrics(Path(r), opts, main) if not force and stream is None else None
             if m is not None:
                 ms.append({**m, "run": str(r)})  # the folder as named now (its cost is read there)
                 continue

@@ -1,6 +1,7 @@
 """The `cvl` command line: a thin click group; each area owns its subcommands.
 
-Errors the user can fix (`CvlError`, bad options) print one line and exit with code 2;
+Errors the user can fix (`CvlError`, bad options: click's usage errors too) print one line
+`error: ...` and exit with code 2;
 nothing prints a traceback unless `CVL_DEBUG=1`.
 """
 
@@ -59,6 +60,34 @@ for _mod, _attr in SUBCOMMANDS:
             raise
 
 
+def one_line(text: str) -> str:
+    """A message on one line (click wraps some of its own)."""
+    return " ".join(str(text).split())
+
+
+def _help_hint(e: click.ClickException) -> str:
+    """Where a usage error's command explains its options: ` (see `cvl train --help`)`."""
+    ctx = getattr(e, "ctx", None)
+    return f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+
+
+# What torch's gloo and NCCL backends say when the other end of a collective is gone.
+_PEER_LOST = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Broken pipe",
+    "remote process exited",
+    "NCCL communicator was aborted",
+)
+
+
+def _peer_lost(e: BaseException) -> bool:
+    """A distributed collective failed because another process of the launch is gone."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and any(p in str(e) for p in _PEER_LOST)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script; returns the exit code."""
     debug = os.environ.get("CVL_DEBUG") == "1"
@@ -77,12 +106,29 @@ def main(argv: list[str] | None = None) -> int:
     except click.ClickException as e:
         if debug:
             raise
-        e.show()
+        click.echo(f"error: {one_line(e.format_message())}{_help_hint(e)}", err=True)
         return 2
     except CvlError as e:
         if debug:
             raise
         click.echo(f"error: {e}", err=True)
+        return 2
+    except OSError as e:  # the filesystem refused a write (full, read-only, ...): one line
+        from cvl.io import write_failure, write_failure_message
+
+        if debug or not write_failure(e):
+            raise
+        click.echo(f"error: {write_failure_message(e, e.filename or 'a file', None)}", err=True)
+        return 2
+    except RuntimeError as e:  # a collective whose peer died (its node lost): one line
+        if debug or not _peer_lost(e):
+            raise
+        click.echo(
+            "error: another process of this run stopped (its node died, was killed or lost the "
+            f"network: {one_line(str(e).split(']', 1)[-1])[:160]}); once every node is back, "
+            "rerun the same command on each to resume from the last checkpoint",
+            err=True,
+        )
         return 2
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)

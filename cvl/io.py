@@ -54,28 +54,62 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     except BaseException as e:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-        raise_if_disk_full(e, path)
+        raise_if_write_failed(e, path)
         raise
 
 
-def disk_full(e: BaseException) -> bool:
-    """True for a write that failed because the device (or the user's quota) is full.
+# What a failed write means, by errno (OSError) or by the OS error's number in the text of
+# errors that carry it as text (safetensors' Rust writer: "... (os error 28)").
+_WRITE_ERRORS = {
+    errno.ENOSPC: "no space left on device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EFBIG: "file too large (the filesystem's or the process's file-size limit, ulimit -f)",
+    errno.EROFS: "read-only file system",
+}
+# What a rerun after freeing space does, by what was being written (`atomic_dir`'s kind).
+RETRY = {
+    "run": "nothing complete was replaced: a run resumes from its last complete checkpoint",
+    "stream": "a stream is built in a temporary folder and renamed only when complete: nothing "
+    "was replaced, and the rerun builds it again",
+    None: "nothing complete was replaced",
+}
 
-    OSError carries ENOSPC / EDQUOT; safetensors' Rust writer raises its own SafetensorError
-    whose text holds the OS error ("os error 28", "No space left on device")."""
-    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return True
+
+def write_failure(e: BaseException) -> str | None:
+    """Why a write failed when the cause is the filesystem (full, over quota, a file-size
+    limit, read-only), else None. OSError carries the errno; safetensors' SafetensorError
+    has the OS error in its text ("os error 28", "No space left on device", "StorageFull")."""
+    if isinstance(e, OSError) and e.errno in _WRITE_ERRORS:
+        return _WRITE_ERRORS[e.errno]
     text = str(e)
-    return "No space left on device" in text or "os error 28" in text or "StorageFull" in text
+    if "No space left on device" in text or "os error 28" in text or "StorageFull" in text:
+        return _WRITE_ERRORS[errno.ENOSPC]
+    for code, why in _WRITE_ERRORS.items():
+        if f"os error {code})" in text:
+            return why
+    return None
 
 
-def raise_if_disk_full(e: BaseException, path: str | os.PathLike) -> None:
-    """Turn a disk-full error into one line that says what to do next."""
-    if disk_full(e):
-        raise CvlError(
-            f"{path}: no space left on device while writing it; free some space and rerun the "
-            "same command (nothing complete was replaced: a run resumes from its last checkpoint)"
-        ) from None
+def write_failure_message(e: BaseException, path: str | os.PathLike, retry: str | None) -> str:
+    """The one line for a write that failed for `write_failure`'s reasons, with the next step."""
+    why = write_failure(e) or str(e)
+    note = RETRY.get(retry, retry or RETRY[None])
+    if why == _WRITE_ERRORS[errno.EROFS]:
+        return (
+            f"{path}: cannot write it ({why}); cvl reads such a folder (cvl info, cvl eval with "
+            "--out elsewhere) but writes only where it can: choose another output folder"
+        )
+    fix = "free some space" if "space" in why or "quota" in why else "raise the limit or free space"
+    return f"{path}: {why} while writing it; {fix} and rerun the same command ({note})"
+
+
+def raise_if_write_failed(
+    e: BaseException, path: str | os.PathLike, retry: str | None = None
+) -> None:
+    """Turn a write that the filesystem refused (`write_failure`) into one line saying what
+    to do next; `retry`: what rerunning does (a key of `RETRY`: "run", "stream")."""
+    if write_failure(e):
+        raise CvlError(write_failure_message(e, path, retry)) from None
 
 
 def make_dirs(path: str | os.PathLike, what: str | None = None) -> Path:
@@ -92,7 +126,7 @@ def make_dirs(path: str | os.PathLike, what: str | None = None) -> Path:
     except PermissionError as e:
         raise CvlError(f"{what or path}: cannot create it ({e.strerror}: {e.filename})") from None
     except OSError as e:
-        raise_if_disk_full(e, path)
+        raise_if_write_failed(e, path)
         raise CvlError(f"{what or path}: cannot create it ({e.strerror})") from None
     return path
 
@@ -202,6 +236,7 @@ def atomic_dir(
     *,
     kind: str | None = None,
     inputs: Iterable[str | os.PathLike | None] = (),
+    retry: str | None = None,
 ) -> Iterator[Path]:
     """Build a folder under a temporary name and rename it to `out` only when complete.
 
@@ -210,8 +245,10 @@ def atomic_dir(
     "export", ...) is locked for the build (`cvl.lock`), may replace only a folder cvl marked
     as the same kind (`check_overwrite`), and gets that marker. Leftovers of a killed earlier
     writer of `out` (temp and old copies) are cleaned first; callers are `out`'s only writer
-    (its lock, or the run's).
+    (its lock, or the run's). A write the filesystem refuses (full, read-only, ...) is one
+    line whose next step is `RETRY[retry or kind]` (a run's folders: retry="run").
     """
+    retry = retry or kind
     inputs = list(inputs)
     lock = None
     if kind is not None:
@@ -229,7 +266,7 @@ def atomic_dir(
         try:
             tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
         except OSError as e:
-            raise_if_disk_full(e, out)
+            raise_if_write_failed(e, out, retry)
             raise
         try:
             yield tmp
@@ -245,7 +282,7 @@ def atomic_dir(
                 os.replace(tmp, out)
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise_if_disk_full(e, out)
+            raise_if_write_failed(e, out, retry)
             raise
     finally:
         if lock is not None:

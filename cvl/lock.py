@@ -108,6 +108,7 @@ class FolderLock:
         self.path = lock_file(folder)
         self.quiet = quiet
         self._held = False
+        self.read_only = False  # taken on a folder no one can write: nothing held (acquire)
 
     def acquire(self) -> FolderLock:
         """Take the lock or raise a one-line CvlError naming the process that holds it."""
@@ -128,6 +129,9 @@ class FolderLock:
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             except OSError as e:
+                if self._unwritable(e):  # no one can write the folder: nothing to guard
+                    self.read_only = True
+                    return self
                 raise CvlError(
                     f"{self.folder}: cannot create its lock file {self.path} ({e.strerror})"
                 ) from None
@@ -167,6 +171,17 @@ class FolderLock:
         _HELD[key] = [fd, 1, made, self._token]
         self._held = True
         return self
+
+    def _unwritable(self, e: OSError) -> bool:
+        """The lock file cannot be made because the folder is on a read-only filesystem (or
+        neither it nor its parent may be written by this user): then this process cannot
+        change the folder either, and a command with nothing to write (a finished run) goes
+        on unlocked; any write it tries fails with its own one-line error (`cvl.io`)."""
+        if e.errno == errno.EROFS:
+            return True
+        if e.errno in (errno.EACCES, errno.EPERM):
+            return self.folder.is_dir() and not os.access(self.folder, os.W_OK)
+        return False
 
     def release(self) -> None:
         """Give the lock back (the file is removed when the outermost holder releases)."""

@@ -44,7 +44,7 @@ def test_build_and_info(tmp_path, capsys):
 @pytest.mark.parametrize(
     "argv, msg",
     [
-        (["build-stream", "synthetic", "--out", "X", "--tasks", "0"], "must be a positive integer"),
+        (["build-stream", "synthetic", "--out", "X", "--tasks", "0"], "must be an integer >= 1"),
         (["build-stream", "synthetic"], "Missing option '--out'"),
         (["info", "/no/such/path"], "no such file"),
         (["nonsense"], "No such command"),
@@ -54,6 +54,7 @@ def test_errors_are_one_line(argv, msg, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert msg in err and "Traceback" not in err
+    assert err.startswith("error: ") and err.count("\n") == 1, err  # usage errors too
 
 
 def test_existing_output_refused(tmp_path, capsys):

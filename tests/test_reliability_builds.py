@@ -1,7 +1,8 @@
 """Stream builders read hostile inputs safely: decompression bombs are refused from the header
 (counted `too_large`, memory flat), image paths that resolve outside the image root are
-counted `outside_root`, and CSV/TSV rows with an unterminated quote or the wrong number of
-fields are counted, never merged into their neighbours."""
+counted `outside_root`, CSV/TSV rows with an unterminated quote or the wrong number of
+fields are counted, never merged into their neighbours, and a build that runs out of space
+says so in one line."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import json
 import os
 import resource
 import struct
+import subprocess
+import sys
 import zlib
 from pathlib import Path
 
@@ -168,3 +171,36 @@ def test_csv_rows_with_the_wrong_number_of_fields_are_dropped_in_both_modes(
     r = _table(csv, tmp_path / "s", *cols)
     assert (r["read"], r["kept_total"], r["dropped"]) == (4, 2, {"malformed_row": 2})
     assert r["captions"] == ["one", "two"]
+
+
+# -- the disk fills up during a build ------------------------------------------------------------
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.mark.parametrize(
+    "fault, says",
+    [
+        (["--fsize", "60000"], "file too large"),  # the kernel refuses (RLIMIT_FSIZE: EFBIG)
+        (["--enospc", "000000.tar:60000"], "no space left on device"),
+    ],
+    ids=["file-size-limit", "enospc"],
+)
+def test_a_build_that_runs_out_of_space_says_so_in_one_line_about_the_build(tmp_path, fault, says):
+    """The shard writer's tar stream fails mid-write: one line that talks of the build (not of
+    a run's checkpoints), no second traceback from the abandoned tar stream's finaliser, and
+    nothing left at --out."""
+    out = tmp_path / "s"
+    argv = ["build-stream", "synthetic", "--out", str(out), "--tasks", "2", "--per-task", "400"]
+    r = subprocess.run(
+        [sys.executable, str(HERE / "fault_run.py"), *fault, "--", *argv, "--quiet"],
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: "), r.stderr
+    assert f"{out}: {says}" in r.stderr and "while writing it" in r.stderr
+    assert "a stream is built in a temporary folder and renamed only when complete" in r.stderr
+    assert "a run resumes" not in r.stderr and "checkpoint" not in r.stderr
+    assert not out.exists() and not list(tmp_path.glob(".s.*"))

@@ -313,3 +313,94 @@ def test_quiet_builds_print_no_summary(tmp_path, capsys):
     assert main([*coco, "--out", str(tmp_path / "c")]) == 0
     out = capsys.readouterr()
     assert out.out == "" and out.err == ""
+
+
+# -- what a user sees is consistent and never stale ---------------------------------------------
+def test_compare_never_reuses_metrics_computed_with_other_settings(tiny, tmp_path, capsys):
+    """RUN/eval/metrics.json of an evaluation without the linear probe is not reused by a
+    comparison that asks for it (its LP column would be '–' without a word): the run is
+    evaluated again with the comparison's settings, and a file with the same ones is reused."""
+    r = tmp_path / "r"
+    assert main(_argv(tiny, r)) == 0
+    fast = ["--no-zeroshot", "--no-cumulative", "--no-plots", "--quiet", "--device", "cpu"]
+    assert main(["eval", "--run", str(r), "--no-probe", *fast]) == 0
+    assert json.loads((r / "eval" / "metrics.json").read_text())["settings"]["probe"] is False
+    capsys.readouterr()
+    assert main(["eval", "--compare", str(r), *fast, "--out", str(tmp_path / "c")]) == 0
+    err = capsys.readouterr().err
+    assert "was computed with other settings (probe: False -> True)" in err
+    (rec,) = json.loads((tmp_path / "c" / "compare.json").read_text())["runs"]
+    assert rec["LP-top1"] is not None
+    assert json.loads((r / "eval" / "metrics.json").read_text())["settings"]["probe"] is True
+    mtime = (r / "eval" / "metrics.json").stat().st_mtime_ns
+    assert main(["eval", "--compare", str(r), *fast, "--out", str(tmp_path / "c")]) == 0
+    assert "other settings" not in capsys.readouterr().err
+    assert (r / "eval" / "metrics.json").stat().st_mtime_ns == mtime  # same settings: reused
+
+
+def test_a_run_has_one_colour_in_every_plot_of_a_comparison(tmp_path, monkeypatch):
+    """Run `a` has no recorded cost, so the compute plot leaves it out: `b` and `c` keep the
+    colours they have in the Rm and TR@1 curves (matplotlib's cycle would shift them)."""
+    from matplotlib.axes import Axes
+    from matplotlib.colors import to_hex
+
+    import cvl.evaluation.comparison as comparison
+
+    def metrics(name: str, v: float) -> dict:
+        mat = [[v, None], [v - 5, v + 5]]
+        return {
+            **{"run": str(tmp_path / name), "run_name": name, "method_label": "seqft"},
+            **{"tasks": ["t0", "t1"], "rows": ["00-t0", "01-t1"], "final": {}},
+            **{"matrices": {"Rm": mat, "TR@1": mat}, "benchmarks": {}},
+            "continual": {"Rm": {"average_final": v}},
+        }
+
+    ms = [metrics("a", 40.0), metrics("b", 50.0), metrics("c", 60.0)]
+    cost = {"total_flops": 2e12, "peak_memory_bytes": 1e9, "device_hours": 0.1}
+    monkeypatch.setattr(comparison, "run_cost", lambda m: None if m["run_name"] == "a" else cost)
+    seen: dict[str, set[str]] = {}
+    plot, scatter, annotate = Axes.plot, Axes.scatter, Axes.annotate
+
+    def rec_plot(self, *a, **k):
+        lines = plot(self, *a, **k)
+        seen.setdefault(k.get("label"), set()).add(to_hex(lines[0].get_color()))
+        return lines
+
+    def rec_scatter(self, *a, **k):
+        pts = scatter(self, *a, **k)
+        self._cvl_last = to_hex(pts.get_facecolor()[0])
+        return pts
+
+    def rec_annotate(self, text, *a, **k):
+        seen.setdefault(text, set()).add(self._cvl_last)
+        return annotate(self, text, *a, **k)
+
+    monkeypatch.setattr(Axes, "plot", rec_plot)
+    monkeypatch.setattr(Axes, "scatter", rec_scatter)
+    monkeypatch.setattr(Axes, "annotate", rec_annotate)
+    files = comparison.write_compare(ms, tmp_path / "cmp")
+    assert {p.name for p in files} >= {"compare_Rm.png", "compare_TR1.png"}
+    assert (tmp_path / "cmp" / "compare_Rm_vs_compute.png").is_file()
+    assert {k: len(v) for k, v in seen.items()} == {"a": 1, "b": 1, "c": 1}
+    assert len({next(iter(v)) for v in seen.values()}) == 3
+
+
+def test_progress_bars_stay_off_when_the_output_is_not_a_terminal(tiny, tmp_path, capsys):
+    """Under make, CI or `| tee` a redrawn bar becomes one line per update: without a
+    terminal (capsys is none) no bar is drawn, by any command, even without --quiet."""
+    argv = [a for a in _argv(tiny, tmp_path / "r") if a != "--quiet"]
+    capsys.readouterr()
+    assert main(argv) == 0
+    build = _synthetic(tmp_path / "s")
+    assert main([a for a in build if a != "--quiet"]) == 0
+    fast = ["--no-zeroshot", "--no-probe", "--no-plots", "--device", "cpu"]
+    assert main(["eval", "--run", str(tmp_path / "r"), *fast]) == 0
+    cap = capsys.readouterr()
+    for text in (cap.out, cap.err):
+        assert "\r" not in text and "it/s" not in text and "step/s" not in text, text[-500:]
+
+
+def test_the_readme_names_make_venv():
+    root = Path(__file__).resolve().parent.parent
+    assert "\nvenv:" in (root / "Makefile").read_text()
+    assert "make venv" in (root / "README.md").read_text()

@@ -106,12 +106,12 @@ def _dying_atomic_dir(real, crash_at: int, phase: str):
     calls = {"n": 0}
 
     @contextlib.contextmanager
-    def dying(out, overwrite=False):
+    def dying(out, overwrite=False, **kw):
         out = Path(out)
         if out.name == "last":
             calls["n"] += 1
         if out.name != "last" or calls["n"] < crash_at:
-            with real(out, overwrite=overwrite) as tmp:
+            with real(out, overwrite=overwrite, **kw) as tmp:
                 yield tmp
             return
         tmp = Path(tempfile.mkdtemp(prefix=".last.", suffix=".partial", dir=out.parent))

@@ -1,16 +1,21 @@
 """Training faults end in one clear line or in a truthful run: `--force` with new optimizer
-settings applies them from the resumed step (and run.json records it), a full disk or an
-unreadable mid-task checkpoint says what to do, and non-finite losses or weights stop a run
-with a message that promises only what exists."""
+settings applies them from the resumed step (and run.json records it), a `--force` resume
+that cannot load its state leaves run.json as it was, a full disk (also while torch.save
+writes the optimizer state), a read-only filesystem or an unreadable mid-task checkpoint says
+what to do, and non-finite losses or weights stop a run with a message that promises only
+what exists."""
 
 from __future__ import annotations
 
 import errno
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from reliability_helpers import build_tiny_stream, train_argv
+from reliability_helpers import build_tiny_stream, env, train_argv
 
 from cvl.cli import main
 from cvl.train.optim import cosine_schedule
@@ -199,3 +204,105 @@ def test_nonfinite_weights_stop_the_run_before_they_are_saved(tiny, tmp_path, mo
     assert "non-finite weights at task t0 (index 0), step 2: 1 tensor(s)" in err
     assert "the run can resume from last/ (task 0, step 1)" in err
     assert json.loads((out / "last" / "position.json").read_text())["step"] == 1
+
+
+# -- a refused or failed change leaves the run as it was ----------------------------------------
+def test_a_force_resume_that_cannot_load_its_state_leaves_run_json_as_it_was(
+    tiny, tmp_path, capsys
+):
+    """EWC's Fisher of task 0 was computed for every parameter; `--force --tune lora` would
+    train only adapters. The resume fails loading that state: it says so (a state saved for
+    other trainable parameters), run.json keeps the config and history the run trained with,
+    and the original command still resumes."""
+    import shutil
+
+    out = tmp_path / "r"
+    argv = train_argv(tiny, out, "ewc")
+    argv[argv.index("--checkpoint-every") + 1] = "0"
+    assert main(argv) == 0
+    for t in ("01-t1", "02-t2"):
+        shutil.rmtree(out / "tasks" / t)
+    before = (out / "run.json").read_text()
+    capsys.readouterr()
+    assert main([*argv, "--tune", "lora", "--force"]) == 2
+    cap = capsys.readouterr()
+    err = cap.err.strip()
+    assert err.count("\n") == 0, err
+    assert f"{out / 'tasks' / '00-t0'}: cannot resume from the method state saved there" in err
+    assert "its saved 'fisher' was computed for other trainable parameters" in err
+    assert "architecture" not in err and "--force: tune changed" not in cap.out
+    assert (out / "run.json").read_text() == before  # config and changes not falsified
+    assert main(argv) == 0  # the original command is not refused
+    assert len(list((out / "tasks").iterdir())) == 3
+
+
+# -- the filesystem refuses a write: one line -------------------------------------------------
+HERE = Path(__file__).resolve().parent
+
+
+def _faulty(fault: list[str], argv: list[str]) -> subprocess.CompletedProcess:
+    """`cvl ARGV` in a fresh process with a filesystem fault (tests/fault_run.py)."""
+    return subprocess.run(
+        [sys.executable, str(HERE / "fault_run.py"), *fault, "--", *argv],
+        env={**env(), "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "fault, says",
+    [
+        (["--fsize", "3000000"], "file too large"),  # the kernel refuses (RLIMIT_FSIZE: EFBIG)
+        (["--enospc", "optimizer.pt:4096"], "no space left on device"),
+    ],
+    ids=["file-size-limit", "enospc"],
+)
+def test_disk_full_while_torch_save_writes_the_optimizer_state_is_one_line(
+    tiny, tmp_path, fault, says
+):
+    """The weights (2 MB) fit, the optimizer state (4 MB, torch.save) does not: torch reports
+    that as `RuntimeError: ... unexpected pos`; cvl says what happened and what to do, and the
+    same command resumes once there is room."""
+    out = tmp_path / "r"
+    argv = train_argv(tiny, out, "seqft")
+    r = _faulty(fault, argv)
+    assert r.returncode == 2, r.stderr[-3000:]
+    err = r.stderr.strip()
+    assert err.count("\n") == 0 and err.startswith("error: "), err
+    assert f"{out / 'last'}: {says}" in err and "rerun the same command" in err
+    assert "a run resumes from its last complete checkpoint" in err
+    assert main(argv) == 0
+    assert len(list((out / "tasks").iterdir())) == 3
+
+
+def _snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    return {str(p): (p.stat().st_mtime_ns, p.stat().st_size) for p in sorted(root.rglob("*"))}
+
+
+@pytest.mark.slow
+def test_a_run_on_a_read_only_filesystem_writes_nothing_when_finished_else_one_line(tiny, tmp_path):
+    """A finished run opened again has nothing to do and writes nothing (not run.json, not a
+    lock file, not a log): it works on a read-only filesystem. An unfinished one says in one
+    line that it cannot write there."""
+    import shutil
+
+    ro = tmp_path / "ro"
+    out = ro / "r"
+    argv = train_argv(tiny, out, "seqft")
+    argv[argv.index("--checkpoint-every") + 1] = "0"
+    assert main(argv) == 0
+    before = _snapshot(tmp_path)
+    r = _faulty(["--readonly", str(ro)], argv)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "all 3 tasks already trained; nothing to do" in r.stdout
+    assert r.stderr == "" and _snapshot(tmp_path) == before
+    shutil.rmtree(out / "tasks" / "02-t2")
+    r = _faulty(["--readonly", str(ro)], argv)
+    assert r.returncode == 2
+    err = r.stderr.strip()
+    assert err.count("\n") == 0 and err.startswith("error: "), err
+    assert "cannot write it (read-only file system)" in err
+    assert not (out / "tasks" / "02-t2").exists()

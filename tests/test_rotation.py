@@ -443,7 +443,7 @@ def test_cli_rotation_compare(two_runs, tmp_path, capsys):
         (["--run", "/no/such/run"], "not a run folder"),
         (["--run", "RUN", "--split", "nosuch"], "no eval set 'nosuch'"),
         (["--run", "RUN", "--tasks", "5"], "no checkpoint '5'"),
-        (["--run", "RUN", "--max-samples", "0"], "must be a positive integer"),
+        (["--run", "RUN", "--max-samples", "0"], "must be an integer >= 1"),
         (["--run", "RUN", "--max-samples", "1"], "at least 2"),
     ],
 )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -142,7 +143,11 @@ def test_changed_config_is_refused_unless_forced(synth_stream, tmp_path):
         _train(synth_stream, tmp_path / "r", max_steps_per_task=1, lr=1e-3)
     _train(synth_stream, tmp_path / "r", max_steps_per_task=1, workers=0, log_every=5)  # same
     _train(synth_stream, tmp_path / "r", max_steps_per_task=1, lr=1e-3, force=True)
-    assert load_run(tmp_path / "r")["config"]["lr"] == 1e-3
+    assert load_run(tmp_path / "r")["config"]["lr"] == 5e-4  # finished: nothing trains with it
+    shutil.rmtree(tmp_path / "r" / "tasks" / "02-t2")
+    _train(synth_stream, tmp_path / "r", max_steps_per_task=1, lr=1e-3, force=True)
+    run = load_run(tmp_path / "r")
+    assert run["config"]["lr"] == 1e-3 and run["changes"][0]["task_index"] == 2
 
 
 def test_cosine_schedule():
@@ -157,7 +162,7 @@ def test_cosine_schedule():
     [
         (["--method", "nope"], "unknown method 'nope'"),
         (["--buffer-size", "10"], "--buffer-size given without --buffer"),
-        (["--epochs", "0"], "--epochs must be positive"),
+        (["--epochs", "0"], "'--epochs': must be an integer >= 1, got 0"),
         (["--method-arg", "cumulative"], "expected NAME=VALUE"),
         (["--method", "joint", "--method-arg", "alpha=2"], "has no argument 'alpha'"),
         (["--device", "tpu"], "expected auto, cpu, cuda or cuda:N"),
@@ -297,8 +302,14 @@ def test_device_and_determinism_are_recorded_and_may_change_on_resume(
     }
     assert run["config"]["device"] == "cpu" and run["config"]["deterministic"] is None
     assert run["earlier_runtimes"] == []
-    # the same finished run opened again (nothing left to train), in the other mode
+    # the same finished run opened again in the other mode: nothing trains, nothing changes
     capsys.readouterr()
+    before = (out / "run.json").read_text()
+    assert main(_argv(synth_stream, out, "--device", "cpu", "--no-deterministic")) == 0
+    assert "continues with" not in capsys.readouterr().out
+    assert (out / "run.json").read_text() == before
+    # its last task trained again in the other mode: said and recorded
+    shutil.rmtree(finished_tasks(out)[-1].path)
     assert main(_argv(synth_stream, out, "--device", "cpu", "--no-deterministic")) == 0
     assert "continues with --no-deterministic" in capsys.readouterr().out
     run = load_run(out)

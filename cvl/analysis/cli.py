@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import click
 
+from cvl.checks import POSITIVE_INT
 from cvl.device import deterministic_option, device_option
 from cvl.errors import CvlError
 from cvl.evaluation.options import precision_option, workers_option
@@ -15,12 +15,6 @@ from cvl.evaluation.options import precision_option, workers_option
 @click.group("analyze")
 def analyze() -> None:
     """Analyse a run's checkpoints (writes into RUN/analysis/)."""
-
-
-def _positive(ctx: click.Context, param: click.Parameter, value: int | None) -> int | None:
-    if value is not None and value <= 0:
-        raise click.BadParameter(f"must be a positive integer, got {value}")
-    return value
 
 
 def _check_compare(compare: tuple[str, str] | None) -> None:
@@ -85,19 +79,18 @@ def _lock(run: str | Path, dest: Path):  # noqa: ANN202 (FolderLock)
 )
 @click.option(
     "--max-samples",
-    type=int,
     default=None,
-    callback=_positive,
+    type=POSITIVE_INT,
     help="Use the first N samples of the eval set.",
 )
 @click.option(
-    "--batch-size", default=256, show_default=True, callback=_positive, help="Embedding batch size."
+    "--batch-size", default=256, show_default=True, type=POSITIVE_INT, help="Embedding batch size."
 )
 @click.option(
     "--chunk-mb",
     default=64,
     show_default=True,
-    callback=_positive,
+    type=POSITIVE_INT,
     help="Memory for one block of the pairwise SAM computation (float64).",
 )
 @click.option(
@@ -166,7 +159,7 @@ def rotation_cmd(
         max_samples=max_samples,
         batch_size=batch_size,
         chunk_elems=max(1, chunk_mb * (1 << 20) // 8),
-        progress=not quiet and sys.stderr.isatty(),  # bars only on a terminal, as cvl eval
+        progress=not quiet,  # drawn on a terminal only (cvl.progress)
         device=dev,
         workers=workers,
         precision=precision,

@@ -36,10 +36,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from cvl.errors import CvlError
 from cvl.io import atomic_write_bytes, write_json
+from cvl.progress import progress_bar
 
 SCHEMA = "cvl.rotation/1"
 SAM_EDGES: tuple[float, ...] = (0.0, 5.0, 10.0, 15.0, 20.0, 180.0)
@@ -152,8 +152,8 @@ def sam_counts(
     counts = torch.zeros(len(pairs), nb, dtype=torch.long)
     sums = torch.zeros(len(pairs), dtype=torch.float64)
     total = n * (n - 1) // 2
-    with tqdm(
-        total=total, desc=desc, unit="pair", unit_scale=True, disable=not progress, leave=False
+    with progress_bar(
+        total=total, desc=desc, unit="pair", unit_scale=True, show=progress, leave=False
     ) as bar:
         s = 0
         while s < n - 1:
@@ -783,7 +783,7 @@ def extract_features(
     captions: list[str] = []
     ids: list[str] = []
     ds = None
-    for ck in tqdm(cks, desc="checkpoints", disable=not progress, leave=False):
+    for ck in progress_bar(cks, desc="checkpoints", show=progress, leave=False):
         model = model_from_config(run_json["model"])
         load_weights(model, ck.path)
         model.eval().to(dev)

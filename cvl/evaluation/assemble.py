@@ -140,6 +140,7 @@ def build_metrics(
         "method_label": method_label(cfg, run),
         "stream": {"path": str(stream_path), "name": manifest.name, "source": manifest.source},
         "protocol": protocol,
+        "settings": opts.report_fields(),  # compared before --compare reuses this file
         "tasks": columns,
         "rows": [c.label for c in task_cks],
         "has_init": init is not None,

@@ -6,15 +6,16 @@ from pathlib import Path
 
 import click
 
+from cvl.checks import NON_NEGATIVE_INT, POSITIVE_INT
 from cvl.device import deterministic_option, device_option
 from cvl.errors import CvlError
-from cvl.evaluation.options import DEFAULT_IMAGE_CACHE_MB, precision_option, workers_option
-
-
-def _positive(ctx: click.Context, param: click.Parameter, value: int) -> int:
-    if value is not None and value <= 0:
-        raise click.BadParameter(f"must be a positive integer, got {value}")
-    return value
+from cvl.evaluation.options import (
+    DEFAULT_IMAGE_CACHE_MB,
+    EvalOptions,
+    precision_option,
+    settings_diff,
+    workers_option,
+)
 
 
 def _lock_eval(run: str, out: str | None, acc):  # noqa: ANN202 (FolderLock | None)
@@ -27,8 +28,11 @@ def _lock_eval(run: str, out: str | None, acc):  # noqa: ANN202 (FolderLock | No
     return lock_on_main(Path(out) if out else Path(run) / "eval", acc)
 
 
-def _existing_metrics(run: Path) -> dict | None:
-    """RUN/eval/metrics.json when it covers every finished task checkpoint, else None."""
+def _existing_metrics(run: Path, opts: EvalOptions, say: bool = True) -> dict | None:
+    """RUN/eval/metrics.json when it covers every finished task checkpoint and was computed
+    with the settings asked for now (`EvalOptions.report_fields`), else None: the run is
+    then evaluated again (its per-checkpoint cache serves what it holds for these settings),
+    so a comparison never mixes results computed under other settings."""
     from cvl.io import read_json
     from cvl.runs import finished_tasks
 
@@ -37,7 +41,16 @@ def _existing_metrics(run: Path) -> dict | None:
         return None
     m = read_json(mfile)
     labels = [f"{c.index:02d}-{c.name}" for c in finished_tasks(run)]
-    return m if m.get("rows") == labels else None
+    if m.get("rows") != labels:
+        return None
+    diff = settings_diff(m.get("settings"), opts.report_fields())
+    if diff and say:  # (the main process says it)
+        click.echo(
+            f"note: {mfile} was computed with other settings ({'; '.join(diff)}): "
+            "evaluating the run again with these",
+            err=True,
+        )
+    return None if diff else m
 
 
 @click.command("eval")
@@ -52,7 +65,7 @@ def _existing_metrics(run: Path) -> dict | None:
     help="Checkpoints to evaluate: all, last, or a comma list of task names/indices (and 'init').",
 )
 @click.option(
-    "--batch-size", default=256, show_default=True, callback=_positive, help="Embedding batch size."
+    "--batch-size", default=256, show_default=True, type=POSITIVE_INT, help="Embedding batch size."
 )
 @click.option(
     "--out",
@@ -110,7 +123,7 @@ def _existing_metrics(run: Path) -> dict | None:
     "--probe-train",
     default=500,
     show_default=True,
-    callback=_positive,
+    type=POSITIVE_INT,
     help="Training images per task for the linear probe (evenly subsampled).",
 )
 @click.option(
@@ -126,7 +139,7 @@ def _existing_metrics(run: Path) -> dict | None:
 )
 @click.option(
     "--image-cache-mb",
-    type=click.IntRange(min=0),
+    type=NON_NEGATIVE_INT,
     default=DEFAULT_IMAGE_CACHE_MB,
     show_default=True,
     help="Memory for decoded eval images (uint8, after resize + crop) kept across checkpoints "
@@ -198,7 +211,7 @@ def eval_cmd(
     from cvl.evaluation.comparison import render_compare, write_compare
     from cvl.evaluation.imagestore import ImageStore
     from cvl.evaluation.report import render_markdown, write_outputs
-    from cvl.evaluation.runner import EvalOptions, evaluate_run
+    from cvl.evaluation.runner import evaluate_run
 
     opts = EvalOptions(
         stream=stream,
@@ -232,7 +245,7 @@ def eval_cmd(
             raise CvlError("--compare needs run folders: cvl eval --compare RUN1 RUN2 ...")
         ms = []
         for r in targets:
-            m = _existing_metrics(Path(r)) if not force and stream is None else None
+            m = _existing_metrics(Path(r), opts, main) if not force and stream is None else None
             if m is not None:
                 ms.append({**m, "run": str(r)})  # the folder as named now (its cost is read there)
                 continue

@@ -149,16 +149,32 @@ def seen_so_far(m: dict[str, Any], key: str) -> list[float | None]:
     return out
 
 
-def plot_compare(ms: Sequence[dict[str, Any]], key: str, path: Path) -> Path | None:
+def run_colors(ms: Sequence[dict[str, Any]]) -> list[str]:
+    """One colour per run of a comparison, by its position among the runs: every plot of the
+    comparison draws a run in its colour, also when a plot leaves some runs out (no cost
+    recorded, no curve), where matplotlib's own colour cycle would shift the rest."""
+    plt = _plt()
+    cycle = [plt.get_cmap("tab10")(i) for i in range(10)]
+    if len(ms) > 10:
+        cycle = [plt.get_cmap("tab20")(i) for i in range(20)]
+    from matplotlib.colors import to_hex
+
+    return [to_hex(cycle[i % len(cycle)]) for i in range(len(ms))]
+
+
+def plot_compare(
+    ms: Sequence[dict[str, Any]], key: str, path: Path, colors: Sequence[str] | None = None
+) -> Path | None:
     """One line per run: `key` averaged over the tasks seen so far, after each task."""
     curves = [(m["run_name"], seen_so_far(m, key)) for m in ms]
     if not any(v is not None for _, c in curves for v in c):
         return None
+    colors = list(colors or run_colors(ms))
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
-    for name, c in curves:
+    for (name, c), color in zip(curves, colors):
         ys = [float("nan") if v is None else v for v in c]
-        ax.plot(range(len(ys)), ys, marker="o", ms=3, label=name)
+        ax.plot(range(len(ys)), ys, marker="o", ms=3, label=name, color=color)
     tasks = ms[0]["tasks"]
     ax.set_xticks(range(len(tasks)), [f"{i} ({t})" for i, t in enumerate(tasks)])
     ax.set_xlabel("model after task")
@@ -167,23 +183,26 @@ def plot_compare(ms: Sequence[dict[str, Any]], key: str, path: Path) -> Path | N
     return _save_lines(fig, ax, path)
 
 
-def plot_compute(ms: Sequence[dict[str, Any]], path: Path) -> Path | None:
+def plot_compute(
+    ms: Sequence[dict[str, Any]], path: Path, colors: Sequence[str] | None = None
+) -> Path | None:
     """Final average Rm (over tasks, the last R-matrix row) against training compute: one
-    point per run, labelled."""
+    point per run, labelled, in the run's colour (`run_colors`)."""
+    colors = list(colors or run_colors(ms))
     pts = []
-    for m in ms:
+    for m, color in zip(ms, colors):
         cost = run_cost(m)
         avg = ((m.get("continual") or {}).get("Rm") or {}).get("average_final")
         if cost and avg is not None and cost["total_flops"] > 0:
-            pts.append((m["run_name"], cost["total_flops"] / 1e12, avg))
+            pts.append((m["run_name"], cost["total_flops"] / 1e12, avg, color))
     if not pts:
         return None
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    for name, x, y in pts:
-        ax.scatter([x], [y], s=18)
+    for name, x, y, color in pts:
+        ax.scatter([x], [y], s=18, color=color)
         ax.annotate(name, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
-    xs = [x for _, x, _ in pts]
+    xs = [x for _, x, _, _ in pts]
     if max(xs) / min(xs) > 20:
         ax.set_xscale("log")
     ax.set_xlabel("training compute (TFLOPs, steps + extras)")
@@ -210,11 +229,12 @@ def write_compare(
     recs = [{k: _finite(v) for k, v in r.items()} for r in compare_records(ms)[1]]
     write_json(out / "compare.json", {"columns": headers, "runs": recs})
     files.append(out / "compare.json")
+    colors = run_colors(ms) if plots else []  # a run has one colour in every plot
     if plots and len({tuple(m["tasks"]) for m in ms}) == 1:  # curves share one task axis
         for key in ("Rm", "TR@1"):
-            p = plot_compare(ms, key, out / f"compare_{safe_name(key)}.png")
+            p = plot_compare(ms, key, out / f"compare_{safe_name(key)}.png", colors)
             if p:
                 files.append(p)
-    if plots and (p := plot_compute(ms, out / "compare_Rm_vs_compute.png")):
+    if plots and (p := plot_compute(ms, out / "compare_Rm_vs_compute.png", colors)):
         files.append(p)
     return files

@@ -15,13 +15,13 @@ from typing import Any
 
 import torch
 from torch.utils.data import Dataset
-from tqdm import tqdm
 
 from cvl.data.reader import PairDataset, collate
 from cvl.data.transforms import EvalTransform
 from cvl.errors import CvlError
 from cvl.evaluation.imagestore import ImageBatches, ImageStore, collate_kept
 from cvl.evaluation.options import PRECISIONS
+from cvl.progress import progress_bar
 
 
 @dataclass
@@ -187,7 +187,7 @@ def embed_dataset(
         items, batch_size, rank, world, num_workers, pin, store, set_key, collate_fn
     )
     imgs, fus, meta = [], [], {"id": [], "category": [], "task": [], "captions": []}
-    bar = tqdm(batches, desc=desc, disable=not progress or rank != 0, leave=False)
+    bar = progress_bar(batches, desc=desc, show=progress and rank == 0, leave=False)
     with autocast(device, precision):
         for batch in bar:
             if batch["image"] is None:

@@ -9,6 +9,7 @@ too (`--device` and `--deterministic` are `cvl.device`'s).
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import click
+
+from cvl.checks import WORKERS
 
 PRECISIONS = ("no", "bf16", "fp16")
 PRECISION_NOTES = {
@@ -77,6 +80,20 @@ class EvalOptions:
         d["zs_folders"] = [str(Path(f).absolute()) for f in self.zs_folders]
         return d
 
+    def report_fields(self) -> dict[str, Any]:
+        """The settings a metrics.json's numbers depend on (recorded in it as "settings"): the
+        cache key's options and whether the initial weights were evaluated (the zero-shot
+        row, FWT). `cvl eval --compare` reuses a run's metrics.json only when they match."""
+        return json.loads(json.dumps({**self.key_fields(), "init": self.init}, default=str))
+
+
+def settings_diff(old: dict[str, Any] | None, new: dict[str, Any]) -> list[str]:
+    """'name: old -> new' for every setting that differs between two `report_fields()`."""
+    if old is None:
+        return ["settings: not recorded (an older cvl wrote it)"]
+    keys = sorted(set(old) | set(new))
+    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
+
 
 def resolve_workers(workers: int, accelerator: Any = None) -> int:
     """`--workers`: as given when >= 0, else training's auto rule (CPUs per local process)."""
@@ -92,7 +109,7 @@ def workers_option(f: Callable) -> Callable:
     """`--workers` for an evaluation command (decoding the eval images)."""
     return click.option(
         "--workers",
-        type=click.IntRange(min=-1),
+        type=WORKERS,
         default=-1,
         show_default=True,
         help="Loader worker processes decoding the eval images: -1 = auto (as cvl train: the "

@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from cvl.errors import CvlError
 from cvl.evaluation.assemble import (
@@ -53,6 +52,7 @@ from cvl.evaluation.imagestore import ImageStore
 from cvl.evaluation.options import EvalOptions, resolve_workers
 from cvl.evaluation.zeroshot import load_templates, zeroshot_folder
 from cvl.io import read_json, write_json
+from cvl.progress import progress_bar
 from cvl.runs import MODEL_FILE, finished_tasks, load_run
 
 __all__ = [  # what other modules import from here (one home each: the modules named above)
@@ -163,6 +163,8 @@ def select(cks: list[Checkpoint], spec: str, with_init: bool) -> list[Checkpoint
     if spec == "last":
         return [tasks[-1]]
     want = [w.strip() for w in spec.split(",") if w.strip()]
+    if not want:  # '' would evaluate nothing and report only what the cache holds
+        raise CvlError(f"--tasks {spec!r}: give all, last, or task names / indices (and init)")
     chosen = []
     for w in want:
         if w == INIT_DIR:
@@ -223,7 +225,7 @@ def embed_settings(
         accelerator=accelerator,
         num_workers=resolve_workers(opts.workers, accelerator),
         precision=opts.precision,
-        progress=opts.progress and main and sys.stderr.isatty(),  # bars are noise in logs
+        progress=opts.progress and main,  # drawn on a terminal only (cvl.progress)
         store=store if store is not None else ImageStore(opts.image_cache_mb),
     )
 
@@ -273,7 +275,7 @@ def evaluate_run(
     results: dict[str, dict[str, Any]] = {}
     evaluated, reused = [], []
     model = None
-    bar = tqdm(cks, desc="checkpoints", disable=not (opts.progress and main), leave=False)
+    bar = progress_bar(cks, desc="checkpoints", show=opts.progress and main, leave=False)
     for ck in bar:
         key = {
             **base_key,

@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from cvl.errors import CvlError
+from cvl.progress import progress_bar
 
 RESOURCES = Path(__file__).resolve().parent.parent / "resources" / "zeroshot"
 TIE_EPS = 1e-6
@@ -214,7 +214,7 @@ def embed_images(
     )
     out = []
     with autocast(device, precision):
-        for b in tqdm(batches, desc="images", disable=not progress or rank != 0, leave=False):
+        for b in progress_bar(batches, desc="images", show=progress and rank == 0, leave=False):
             if b["image"] is not None:
                 x = tf.normalize(b["image"].to(device, non_blocking=pin))
                 out.append(model.encode_image(x).float())  # on the device until the end

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from cvl.checks import Num, check_scalar
 from cvl.dist import all_reduce_mean, gather_no_grad, local_rows, world_size
 from cvl.errors import CvlError
 from cvl.losses import clip_loss
@@ -75,6 +76,24 @@ class TaskContext:
         return self.services.previous_model(self) if self.task_index > 0 else None
 
 
+def state_mismatch(method: str, key: str, saved: Any, names: Any) -> str:
+    """Why a saved per-parameter state (`key`: tensors by parameter name) does not fit the
+    parameters that train now: it was saved for other trainable parameters (another --tune
+    mode or targets, another model), named with an example of each side."""
+    saved, now = set(saved), set(names)
+    only_saved, only_now = sorted(saved - now), sorted(now - saved)
+    eg = "; ".join(
+        f"e.g. {what} '{xs[0]}'"
+        for what, xs in (("saved for", only_saved), ("training now", only_now))
+        if xs
+    )
+    return (
+        f"method '{method}': its saved '{key}' was computed for other trainable parameters "
+        f"({len(saved)} tensors saved, {len(now)} train now; {eg}): the run's --tune mode or "
+        "model differs from the one that saved it"
+    )
+
+
 def frozen_copy(model: nn.Module) -> nn.Module:
     """A deep copy with gradients off, in eval mode (reference / old / teacher models); a model
     carrying `--tune lora/dora` adapters is copied with them merged (a plain model).
@@ -107,6 +126,9 @@ class Method:
 
     name = "base"
     defaults: dict[str, Any] = {}
+    #: bounds of numeric arguments (`cvl.checks.Num`), checked with the defaults' types:
+    #: e.g. a temperature > 0, a momentum in [0, 1], a count >= 1.
+    limits: dict[str, Num] = {}
     #: False for methods that never train (zero-shot).
     trains = True
     #: True if the method cannot work without a replay buffer.
@@ -117,23 +139,17 @@ class Method:
 
     @classmethod
     def resolve_args(cls, args: dict[str, Any]) -> dict[str, Any]:
-        """Defaults overridden by `args`, each coerced to its default's type (clear errors)."""
+        """Defaults overridden by `args`, each coerced to its default's type and checked
+        (`cvl.checks.check_scalar`: finite numbers, real booleans; then `limits`)."""
         out = dict(cls.defaults)
         for k, v in args.items():
             if k not in cls.defaults:
                 known = ", ".join(cls.defaults) or "none"
                 raise CvlError(f"method '{cls.name}' has no argument '{k}' (arguments: {known})")
-            d = cls.defaults[k]
-            try:
-                if isinstance(d, bool):
-                    v = v if isinstance(v, bool) else str(v).lower() in ("1", "true", "yes", "on")
-                elif d is not None and not isinstance(v, type(d)):
-                    v = type(d)(v)
-            except (TypeError, ValueError):
-                raise CvlError(
-                    f"method '{cls.name}': {k}={v!r} is not a {type(d).__name__}"
-                ) from None
-            out[k] = v
+            out[k] = check_scalar(v, cls.defaults[k], f"method '{cls.name}': {k}")
+        for k, rule in cls.limits.items():
+            if k in out:  # a subclass may drop an argument of the class it extends
+                out[k] = rule.check(out[k], f"method '{cls.name}': {k}")
         return out
 
     def check_choice(self, key: str, choices: tuple[str, ...]) -> None:

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from cvl.checks import POSITIVE_FLOAT
 from cvl.dist import gather_no_grad, gather_with_grad
 from cvl.losses import kl_rows, masked_clip_loss, off_diagonal_logits
 from cvl.methods.base import PreviousModelMethod, TaskContext, mlm_term
@@ -51,6 +52,8 @@ class Co2L(PreviousModelMethod):
     """Co2L: asymmetric contrastive (buffer items negatives only) + relation distillation."""
 
     defaults = {"weight": 1.0, "tau_old": 0.01, "tau_new": 0.2}
+    #: bounds of the arguments (cvl.checks): refused in one line before anything runs
+    limits = {"tau_old": POSITIVE_FLOAT, "tau_new": POSITIVE_FLOAT}
     needs_buffer = True
     buffer_hint = "ring"
 

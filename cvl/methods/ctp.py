@@ -72,6 +72,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cvl.checks import POSITIVE_FLOAT, POSITIVE_INT, Num
 from cvl.dist import gather_no_grad, gather_with_grad, local_rows
 from cvl.losses import clip_loss, global_mlm_distillation, kl_rows
 from cvl.methods.base import Method, TaskContext, frozen_copy, mlm_term
@@ -213,6 +214,14 @@ class CTP(Method):
         "cross_modal_weight": 1.0,
         "same_modal_weight": 1.0,
         "first_task_mlm_distill": True,
+    }
+    #: bounds of the arguments (cvl.checks): refused in one line before anything runs
+    limits = {
+        "momentum": Num(float, 0, 1),
+        "first_momentum": Num(float, 0, 1),
+        "queue_size": POSITIVE_INT,
+        "temp": POSITIVE_FLOAT,
+        "distill_temp": POSITIVE_FLOAT,
     }
 
     def __init__(self, args: dict[str, Any] | None = None) -> None:

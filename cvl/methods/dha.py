@@ -51,8 +51,9 @@ from typing import Any
 
 import torch
 
+from cvl.checks import POSITIVE_INT, Num
 from cvl.errors import CvlError
-from cvl.methods.base import Method, TaskContext, base_loss
+from cvl.methods.base import Method, TaskContext, base_loss, state_mismatch
 from cvl.methods.registry import register
 
 
@@ -88,6 +89,8 @@ class DHA(Method):
     """
 
     defaults = {"lambda1": 0.995, "lambda2": 0.985, "k": 5, "sum_directions": True}
+    #: bounds of the arguments (cvl.checks): refused in one line before anything runs
+    limits = {"lambda1": Num(float, 0, 1), "lambda2": Num(float, 0, 1), "k": POSITIVE_INT}
     selects_best_val = True  # `--select auto`: end each task with the best epoch on val
 
     def __init__(self, args: dict[str, Any] | None = None) -> None:
@@ -148,11 +151,10 @@ class DHA(Method):
         saved = state.get("hist")
         if not saved:
             return
-        if self.hist is None or set(saved) != set(self.names):
-            raise CvlError(
-                "method 'dha': the saved historical model does not match this task's model "
-                "(resume state loaded outside a task, or a different architecture)"
-            )
+        if self.hist is None:
+            raise CvlError("method 'dha': a historical model can only be loaded inside a task")
+        if set(saved) != set(self.names):
+            raise CvlError(state_mismatch("dha", "hist", saved, self.names))
         with torch.no_grad():
             for n, h in zip(self.names, self.hist):
                 h.copy_(saved[n])

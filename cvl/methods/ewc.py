@@ -19,6 +19,7 @@ Logged term: `ewc` (already × λ/2).
 
 from __future__ import annotations
 
+from cvl.checks import NON_NEGATIVE_INT
 from cvl.data.reader import sample_seed
 from cvl.methods.base import TaskContext
 from cvl.methods.registry import register
@@ -52,6 +53,8 @@ class EWC(ParamRegularizer):
     """EWC: λ/2·ΣF(θ−θ*)², F = Fisher of the base loss, running mean over tasks (λ = 5000)."""
 
     defaults = {"lam": 5000.0, "fisher_batches": 0}
+    #: bounds of the arguments (cvl.checks): refused in one line before anything runs
+    limits = {"fisher_batches": NON_NEGATIVE_INT}
     term = "ewc"
     persistent = ("fisher",)
 

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from cvl.checks import NON_NEGATIVE_INT
 from cvl.dist import gather_no_grad
 from cvl.methods.base import PreviousModelMethod, TaskContext, base_loss
 from cvl.methods.registry import register
@@ -82,6 +83,8 @@ class GeoDL(PreviousModelMethod):
     """GeoDL: old/new embeddings compared in the geodesic-flow metric between their subspaces."""
 
     defaults = {"weight": 1.0, "dim": 0}
+    #: bounds of the arguments (cvl.checks): refused in one line before anything runs
+    limits = {"dim": NON_NEGATIVE_INT}
 
     def loss(
         self, batch: dict[str, Any], out: dict[str, torch.Tensor], ctx: TaskContext

@@ -102,6 +102,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cvl.checks import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT
 from cvl.device import to_device
 from cvl.dist import gather_no_grad, gather_with_grad, rank, world_size
 from cvl.errors import CvlError
@@ -371,6 +372,15 @@ class IncCLIP(PreviousModelMethod):
         "tau_old": 0.01,  # 0: the old model's own learned temperature
         "gamma": 1.5,  # weight-norm clipping at γ·‖W‖_init (0 = off)
         "kd_direction": "new_old",
+    }
+    #: bounds of the arguments (cvl.checks): refused in one line before anything runs
+    limits = {
+        "n_pseudo": NON_NEGATIVE_INT,
+        "gen_images": NON_NEGATIVE_INT,
+        "gen_steps": NON_NEGATIVE_INT,
+        "gen_lr": NON_NEGATIVE_FLOAT,
+        "tau_old": NON_NEGATIVE_FLOAT,
+        "gamma": NON_NEGATIVE_FLOAT,
     }
 
     def __init__(self, args: dict[str, Any] | None = None) -> None:

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from cvl.checks import NON_NEGATIVE_FLOAT, POSITIVE_FLOAT
 from cvl.losses import clip_loss, global_mlm_distillation, kl_rows, old_new_global_logits
 from cvl.methods.base import PreviousModelMethod, TaskContext, mlm_term
 from cvl.methods.registry import register
@@ -77,6 +78,12 @@ class LwF(PreviousModelMethod):
         "weight": 1.0,
         "mlm_distill_weight": 1.0,
         "distill_temp": 1.0,
+    }
+    #: bounds of the arguments (cvl.checks): refused in one line before anything runs
+    limits = {
+        "temp": POSITIVE_FLOAT,
+        "logit_temp": NON_NEGATIVE_FLOAT,
+        "distill_temp": POSITIVE_FLOAT,
     }
     prefix = "lwf"
 

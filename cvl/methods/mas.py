@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from cvl.checks import NON_NEGATIVE_INT
 from cvl.data.reader import sample_seed
 from cvl.methods.base import TaskContext
 from cvl.methods.registry import register
@@ -47,6 +48,8 @@ class MAS(ParamRegularizer):
     """MAS: λ/2·ΣΩ(θ−θ*)², Ω = mean |∂(‖v‖+‖w‖+‖fusion CLS‖)/∂θ| over the task (λ = 1)."""
 
     defaults = {"lam": 1.0, "importance_batches": 0}
+    #: bounds of the arguments (cvl.checks): refused in one line before anything runs
+    limits = {"importance_batches": NON_NEGATIVE_INT}
     term = "mas"
     persistent = ("omega",)
 

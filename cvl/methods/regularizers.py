@@ -43,7 +43,7 @@ from torch import nn
 
 from cvl.dist import average_gradients
 from cvl.errors import CvlError
-from cvl.methods.base import Method, TaskContext, base_loss
+from cvl.methods.base import Method, TaskContext, base_loss, state_mismatch
 
 Tensors = list[torch.Tensor]
 
@@ -288,10 +288,7 @@ class ParamRegularizer(Method):
             if saved is None:
                 continue
             if self.names and set(saved) != set(self.names):
-                raise CvlError(
-                    f"method '{self.name}': saved '{k}' does not match the model's trainable "
-                    "parameters (a different architecture?)"
-                )
+                raise CvlError(state_mismatch(self.name, k, saved, self.names))
             cur = self.lists.get(k)
             if cur is not None:  # in a task: copy into the live tensors (their device)
                 with torch.no_grad():

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from cvl.checks import NON_NEGATIVE_INT, POSITIVE_FLOAT
 from cvl.methods.base import TaskContext
 from cvl.methods.ewc import task_fisher
 from cvl.methods.registry import register
@@ -46,6 +47,8 @@ class RWalk(ParamRegularizer):
     """RWalk: λ·Σ(F+S)(θ−θ*)², F = merged Fisher, S = averaged ReLU path scores (λ = 1000)."""
 
     defaults = {"lam": 1000.0, "xi": 0.1, "fisher_batches": 0}
+    #: bounds of the arguments (cvl.checks): refused in one line before anything runs
+    limits = {"xi": POSITIVE_FLOAT, "fisher_batches": NON_NEGATIVE_INT}
     term = "rwalk"
     track_path = True
     persistent = ("fisher", "scores")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from cvl.checks import POSITIVE_FLOAT
 from cvl.methods.base import TaskContext
 from cvl.methods.registry import register
 from cvl.methods.regularizers import ParamRegularizer
@@ -44,6 +45,8 @@ class SI(ParamRegularizer):
     """SI: c·ΣΩ(θ−θ*)², Ω += ω/(Δθ²+ξ), ω = −Σ g·Δθ with the unregularised gradient (c = 1)."""
 
     defaults = {"c": 1.0, "xi": 0.1}
+    #: bounds of the arguments (cvl.checks): refused in one line before anything runs
+    limits = {"xi": POSITIVE_FLOAT}
     term = "si"
     track_path = True
     persistent = ("omega",)

@@ -65,12 +65,15 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from cvl.checks import POSITIVE_FLOAT, POSITIVE_INT
 from cvl.errors import CvlError
 
 MODES = ("full", "lora", "dora", "bitfit", "lnfit", "locked-image", "locked-text")
 ADAPTER_MODES = ("lora", "dora")
 DEFAULT_ARGS: dict[str, Any] = {"rank": 8, "alpha": 8.0, "targets": "linear", "bn_stats": "frozen"}
 _ADAPTER_ARGS = ("rank", "alpha", "targets")
+# rank >= 1; α > 0 (the adapter's scale α/r: 0 would make every adapter a no-op)
+_LIMITS = {"rank": POSITIVE_INT, "alpha": POSITIVE_FLOAT}
 _PARAM = ".parametrizations."
 _TRAINED_ATTR = "_cvl_trained_names"
 _NORMS = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm)
@@ -295,13 +298,8 @@ class Tuning:
                 raise CvlError(f"--tune-arg {k}: unknown (known: {', '.join(DEFAULT_ARGS)})")
             if k in _ADAPTER_ARGS and mode not in ADAPTER_MODES:
                 raise CvlError(f"--tune-arg {k} applies to --tune lora or dora, not '{mode}'")
-            d = DEFAULT_ARGS[k]
-            try:
-                self.args[k] = type(d)(v)
-            except (TypeError, ValueError):
-                raise CvlError(f"--tune-arg {k}={v!r} is not a {type(d).__name__}") from None
-        if self.args["rank"] < 1:
-            raise CvlError(f"--tune-arg rank must be >= 1 (got {self.args['rank']})")
+            rule = _LIMITS.get(k)
+            self.args[k] = rule.check(v, f"--tune-arg {k}") if rule else str(v)
         if self.args["bn_stats"] not in ("frozen", "train"):
             raise CvlError("--tune-arg bn_stats must be 'frozen' or 'train'")
         self.trainable = 0

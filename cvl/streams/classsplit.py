@@ -29,6 +29,7 @@ from typing import Any
 
 import click
 
+from cvl.checks import NON_NEGATIVE_INT, POSITIVE_INT, SEED, Num
 from cvl.errors import CvlError
 from cvl.io import atomic_dir, read_json
 from cvl.streams.manifest import EvalSet, Manifest, TaskInfo, load_manifest, save_manifest
@@ -198,9 +199,8 @@ def build_class_split(
     src: str | Path, out: str | Path, opts: ClassSplitOptions
 ) -> tuple[Manifest, dict[str, Any]]:
     """Write the class-incremental stream `out` from the labelled stream `src`."""
-    from tqdm import tqdm
-
     from cvl.data.reader import _FILES
+    from cvl.progress import progress_bar
     from cvl.streams.pseudolabel import read_labels
     from cvl.streams.writer import BuildReport, ShardSink
 
@@ -306,7 +306,7 @@ def build_class_split(
     with atomic_dir(out, overwrite=opts.overwrite, kind="stream", inputs=[src]) as tmp:
         train_sets, eval_sets = {}, {s: {} for s in eval_kinds}
         total = sum(len(v) for v in chosen.values())
-        bar = tqdm(total=total, desc="class split", unit="img", disable=not opts.progress)
+        bar = progress_bar(total=total, desc="class split", unit="img", show=opts.progress)
         for t in tasks:
             for split in ["train", *eval_kinds]:
                 rows = chosen.get((split, t))
@@ -403,12 +403,6 @@ def build_class_split(
     return load_manifest(out), report.to_json()
 
 
-def _positive(ctx: click.Context, param: click.Parameter, value: int | None) -> int | None:
-    if value is not None and value <= 0:
-        raise click.BadParameter(f"must be a positive integer, got {value}")
-    return value
-
-
 @click.command("class-split")
 @click.option(
     "--from",
@@ -426,34 +420,35 @@ def _positive(ctx: click.Context, param: click.Parameter, value: int | None) -> 
     "categories; auto = the stream's only labels folder.",
 )
 @click.option(
-    "--steps", default=4, show_default=True, callback=_positive, help="Tasks (class groups)."
+    "--steps", default=4, show_default=True, type=POSITIVE_INT, help="Tasks (class groups)."
 )
-@click.option("--seed", default=0, show_default=True, help="Seed of the class order and caps.")
+@click.option(
+    "--seed", type=SEED, default=0, show_default=True, help="Seed of the class order and caps."
+)
 @click.option(
     "--ordered", is_flag=True, help="Cut the classes in index order instead of a seeded order."
 )
 @click.option(
     "--min-score",
-    type=float,
+    type=Num(float, 0, 1),
     default=None,
     help="Drop samples whose pseudo-label confidence is lower (0..1).",
 )
 @click.option(
     "--per-task",
-    type=int,
     default=None,
-    callback=_positive,
+    type=POSITIVE_INT,
     help="At most N training pairs per task (seeded) [all].",
 )
 @click.option(
     "--eval-per-task",
-    type=int,
     default=None,
-    callback=_positive,
+    type=POSITIVE_INT,
     help="At most N pairs per task in each eval set [all].",
 )
 @click.option(
     "--test",
+    type=NON_NEGATIVE_INT,
     default=0,
     show_default=True,
     help="Test pairs per task held out from its training pairs (eval set 'test').",
@@ -466,7 +461,7 @@ def _positive(ctx: click.Context, param: click.Parameter, value: int | None) -> 
     "classifier's, first synonym), or a file; auto = imagenet for 1000 classes.",
 )
 @click.option("--name", default=None, help="Stream name [folder name].")
-@click.option("--shard-size", default=10000, show_default=True, callback=_positive)
+@click.option("--shard-size", default=10000, show_default=True, type=POSITIVE_INT)
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def class_split_cmd(
@@ -498,8 +493,6 @@ def class_split_cmd(
     """
     from cvl.streams.cli import echo_summary
 
-    if test < 0:
-        raise click.BadParameter(f"must be >= 0, got {test}", param_hint="--test")
     opts = ClassSplitOptions(
         steps=steps,
         labels=labels,

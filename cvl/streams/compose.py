@@ -33,6 +33,7 @@ from typing import Any
 import click
 import numpy as np
 
+from cvl.checks import POSITIVE_INT, SEED
 from cvl.errors import CvlError
 from cvl.io import atomic_dir
 from cvl.streams.manifest import (
@@ -437,8 +438,14 @@ def _compose_into(
     "--out", required=True, type=click.Path(file_okay=False), help="Stream folder to write."
 )
 @click.option("--name", default=None, help="Stream name [folder name].")
-@click.option("--seed", default=0, show_default=True, help="Seed of the part split.")
-@click.option("--shard-size", default=10000, show_default=True, help="Samples per copied shard.")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the part split.")
+@click.option(
+    "--shard-size",
+    type=POSITIVE_INT,
+    default=10000,
+    show_default=True,
+    help="Samples per copied shard.",
+)
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
 def compose_cmd(
     task_specs: tuple[str, ...],

@@ -493,7 +493,7 @@ def run_img2dataset(
     Returns {"seconds", "returncode", "watchdog"} (watchdog: why the child was killed, if it
     was). Raises CvlError when the child fails before finishing any shard.
     """
-    from tqdm import tqdm
+    from cvl.progress import progress_bar
 
     cmd = [*(command or [sys.executable, "-m", "cvl.streams.download"]), str(config_path)]
     env = {**os.environ, **CHILD_ENV}
@@ -503,11 +503,11 @@ def run_img2dataset(
         proc = subprocess.Popen(
             cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
-        bar = tqdm(
+        bar = progress_bar(
             total=expected_shards,
             desc="img2dataset",
             unit="shard",
-            disable=not progress,
+            show=progress,
             leave=False,
         )
         last_activity, last_change = None, time.monotonic()

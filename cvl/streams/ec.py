@@ -22,9 +22,10 @@ from typing import Any
 
 import click
 
+from cvl.checks import NON_NEGATIVE_INT, POSITIVE_INT
 from cvl.errors import CvlError
 from cvl.streams.manifest import Manifest
-from cvl.streams.options import archive_options, build_options, finish, non_negative, positive
+from cvl.streams.options import archive_options, build_options, finish
 from cvl.streams.pipeline import BuildOptions, ColumnSplit, Dropper, Row, build_stream, clean_text
 from cvl.streams.writer import BuildReport
 
@@ -172,23 +173,21 @@ def build_ec(
 )
 @click.option(
     "--max-train",
-    type=int,
     default=None,
-    callback=positive,
+    type=POSITIVE_INT,
     help="At most N training pairs (seeded random draw) [all 90k].",
 )
 @click.option(
     "--max-test",
-    type=int,
     default=None,
-    callback=positive,
+    type=POSITIVE_INT,
     help="At most N test pairs (seeded random draw) [all 5k].",
 )
 @click.option(
     "--val",
     default=0,
     show_default=True,
-    callback=non_negative,
+    type=NON_NEGATIVE_INT,
     help="Training pairs held out as a val set (seeded).",
 )
 @archive_options

@@ -20,9 +20,10 @@ from typing import Any
 
 import click
 
+from cvl.checks import NON_NEGATIVE_INT, POSITIVE_INT
 from cvl.errors import CvlError
 from cvl.streams.manifest import Manifest
-from cvl.streams.options import archive_options, build_options, finish, non_negative, positive
+from cvl.streams.options import archive_options, build_options, finish
 from cvl.streams.pipeline import BuildOptions, ColumnSplit, Dropper, Row, build_stream, clean_text
 from cvl.streams.writer import BuildReport
 
@@ -134,15 +135,13 @@ def build_iapr(
     "--test",
     default=5000,
     show_default=True,
-    callback=non_negative,
+    type=NON_NEGATIVE_INT,
     help="Images held out as the test set (seeded; DKR: 5000).",
 )
 @click.option(
-    "--val", default=0, show_default=True, callback=non_negative, help="Images held out as val."
+    "--val", default=0, show_default=True, type=NON_NEGATIVE_INT, help="Images held out as val."
 )
-@click.option(
-    "--max-train", type=int, default=None, callback=positive, help="At most N training images."
-)
+@click.option("--max-train", default=None, type=POSITIVE_INT, help="At most N training images.")
 @archive_options
 def iapr_cmd(data: str, test: int, val: int, max_train: int | None, **kw: Any) -> None:
     """IAPR TC-12: photos with English DESCRIPTION captions; one task + random test set.

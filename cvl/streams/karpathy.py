@@ -31,9 +31,10 @@ from typing import Any
 import click
 import numpy as np
 
+from cvl.checks import NON_NEGATIVE_INT, POSITIVE_INT
 from cvl.errors import CvlError
 from cvl.streams.manifest import Manifest
-from cvl.streams.options import archive_options, build_options, finish, non_negative, positive
+from cvl.streams.options import archive_options, build_options, finish
 from cvl.streams.pipeline import (
     BuildOptions,
     ColumnSplit,
@@ -334,15 +335,14 @@ def karpathy_options(f):  # noqa: ANN001, ANN202
             "--max-captions",
             default=5,
             show_default=True,
-            callback=non_negative,
+            type=NON_NEGATIVE_INT,
             help="Keep the first N captions of an image (COCO has 5-7; the 5k test set of the "
             "papers has 25,000 captions); 0 keeps all.",
         ),
         click.option(
             "--max-train",
-            type=int,
             default=None,
-            callback=positive,
+            type=POSITIVE_INT,
             help="At most N training images (seeded random draw) [all].",
         ),
         click.option(
@@ -351,14 +351,11 @@ def karpathy_options(f):  # noqa: ANN001, ANN202
             help="With --max-train: the training images not drawn become the val set "
             "(DHA's COCO 100k/13,287/5k).",
         ),
-        click.option(
-            "--max-val", type=int, default=None, callback=positive, help="First N val images."
-        ),
+        click.option("--max-val", default=None, type=POSITIVE_INT, help="First N val images."),
         click.option(
             "--max-test",
-            type=int,
             default=None,
-            callback=positive,
+            type=POSITIVE_INT,
             help="First N test images (COCO 1k: 1000) [all: COCO 5k, Flickr30K 1k].",
         ),
         click.option(

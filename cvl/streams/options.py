@@ -2,7 +2,7 @@
 
 A source module defines its click command with these helpers (`common_options` for every
 URL/file source that goes through `pipeline.build_stream`, `split_options` for seeded random
-chunks and held-out sets, `positive` / `non_negative` validators) and prints its result with
+chunks and held-out sets; numbers are `cvl.checks` types) and prints its result with
 `finish`; `cvl/streams/cli.py` only lists the commands.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import click
 
+from cvl.checks import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, SEED, Num
 from cvl.streams.manifest import Manifest
 
 
@@ -25,18 +26,6 @@ def echo_summary(m: Manifest, out: str, quiet: bool = False) -> None:
         click.echo(
             f"  {t:>12}: train {m.tasks[t].train.count:>7}" + (f" | {evals}" if evals else "")
         )
-
-
-def positive(ctx: click.Context, param: click.Parameter, value: int | None) -> int | None:
-    if value is not None and value <= 0:
-        raise click.BadParameter(f"must be a positive integer, got {value}")
-    return value
-
-
-def non_negative(ctx: click.Context, param: click.Parameter, value: int | None) -> int | None:
-    if value is not None and value < 0:
-        raise click.BadParameter(f"must be >= 0, got {value}")
-    return value
 
 
 def common_options(f):  # noqa: ANN001, ANN202
@@ -87,6 +76,7 @@ def _option_list() -> list:
         ),
         click.option(
             "--seed",
+            type=SEED,
             default=0,
             show_default=True,
             help="Seed of every random choice (samples, splits).",
@@ -102,14 +92,14 @@ def _option_list() -> list:
             "--shard-size",
             default=10000,
             show_default=True,
-            callback=positive,
+            type=POSITIVE_INT,
             help="Samples per output tar shard.",
         ),
         click.option(
             "--image-size",
             default=256,
             show_default=True,
-            callback=positive,
+            type=POSITIVE_INT,
             help="Resize target in pixels (see --resize-mode).",
         ),
         click.option(
@@ -128,32 +118,42 @@ def _option_list() -> list:
             "--min-image-size",
             default=0,
             show_default=True,
-            callback=non_negative,
+            type=NON_NEGATIVE_INT,
             help="Drop images whose shorter side is smaller (failed_to_resize).",
         ),
-        click.option("--encode-quality", default=95, show_default=True, help="JPEG quality."),
+        click.option(
+            "--encode-quality",
+            type=Num(int, 1, 100),
+            default=95,
+            show_default=True,
+            help="JPEG quality.",
+        ),
         click.option(
             "--processes",
             default=1,
             show_default=True,
-            callback=positive,
+            type=POSITIVE_INT,
             help="img2dataset processes (and local-image workers).",
         ),
         click.option(
             "--threads",
             default=32,
             show_default=True,
-            callback=positive,
+            type=POSITIVE_INT,
             help="img2dataset download threads per process.",
         ),
         click.option(
-            "--timeout", default=10.0, show_default=True, help="Seconds per URL before giving up."
+            "--timeout",
+            type=POSITIVE_FLOAT,
+            default=10.0,
+            show_default=True,
+            help="Seconds per URL before giving up.",
         ),
         click.option(
             "--retries",
             default=0,
             show_default=True,
-            callback=non_negative,
+            type=NON_NEGATIVE_INT,
             help="img2dataset retries per URL within one run.",
         ),
         click.option(
@@ -167,7 +167,7 @@ def _option_list() -> list:
             "--download-shard-size",
             default=10000,
             show_default=True,
-            callback=positive,
+            type=POSITIVE_INT,
             help="URLs per img2dataset shard (its number_sample_per_shard).",
         ),
         click.option(
@@ -183,12 +183,14 @@ def _option_list() -> list:
         ),
         click.option(
             "--exit-grace",
+            type=NON_NEGATIVE_FLOAT,
             default=30.0,
             show_default=True,
             help="Watchdog: seconds img2dataset may linger after its last shard before it is killed.",
         ),
         click.option(
             "--stall-timeout",
+            type=POSITIVE_FLOAT,
             default=900.0,
             show_default=True,
             help="Watchdog: kill img2dataset after this many seconds without progress.",
@@ -209,28 +211,27 @@ def split_options(default_chunks: int):  # noqa: ANN202
                 "--chunks",
                 default=default_chunks,
                 show_default=True,
-                callback=positive,
+                type=POSITIVE_INT,
                 help="Tasks: seeded random equal chunks of the training pairs.",
             ),
             click.option(
                 "--sample",
-                type=int,
                 default=None,
-                callback=positive,
+                type=POSITIVE_INT,
                 help="Training pairs in total (a seeded random draw) [all].",
             ),
             click.option(
                 "--val",
                 default=0,
                 show_default=True,
-                callback=non_negative,
+                type=NON_NEGATIVE_INT,
                 help="Validation pairs per task, held out from the same draw.",
             ),
             click.option(
                 "--test",
                 default=0,
                 show_default=True,
-                callback=non_negative,
+                type=NON_NEGATIVE_INT,
                 help="Test pairs per task, held out from the same draw.",
             ),
         ]

@@ -22,9 +22,10 @@ from typing import Any
 
 import click
 
+from cvl.checks import POSITIVE_INT
 from cvl.errors import CvlError
 from cvl.streams.manifest import Manifest
-from cvl.streams.options import build_options, common_options, finish, positive
+from cvl.streams.options import build_options, common_options, finish
 from cvl.streams.pipeline import (
     BuildOptions,
     ColumnSplit,
@@ -264,16 +265,14 @@ def build_p9d(
 )
 @click.option(
     "--limit-per-task",
-    type=int,
     default=None,
-    callback=positive,
+    type=POSITIVE_INT,
     help="At most N training pairs per industry (seeded random subset).",
 )
 @click.option(
     "--eval-limit-per-task",
-    type=int,
     default=None,
-    callback=positive,
+    type=POSITIVE_INT,
     help="At most N pairs per industry in each eval set (test, query, gallery).",
 )
 @common_options

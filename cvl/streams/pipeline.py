@@ -37,10 +37,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
 from cvl.errors import CvlError
 from cvl.io import atomic_dir, check_overwrite
+from cvl.progress import progress_bar
 from cvl.streams.download import (
     TOO_LARGE,
     DownloadCache,
@@ -707,11 +707,11 @@ def build_stream(
     with atomic_dir(out, overwrite=opts.overwrite, kind="stream") as tmp:
         seq = [(split, task) for task in order for split in SPLITS if (split, task) in groups]
         flat = [i for key in seq for i in groups[key]]
-        bar = tqdm(
+        bar = progress_bar(
             total=len(flat),
             desc=f"{source} shards",
             unit="img",
-            disable=not opts.progress,
+            show=opts.progress,
             leave=False,
         )
         images = _images([plan[i] for i in flat], opts.image, opts.download.processes)

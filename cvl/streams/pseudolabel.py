@@ -34,6 +34,7 @@ from typing import Any
 
 import click
 
+from cvl.checks import NON_NEGATIVE_INT, POSITIVE_INT
 from cvl.device import deterministic_option, device_option
 from cvl.errors import CvlError
 from cvl.io import (
@@ -239,9 +240,9 @@ def label_stream(stream: str | os.PathLike, opts: LabelOptions, accelerator: Any
 
 def _label_stream(stream: str | os.PathLike, opts: LabelOptions, accelerator: Any) -> dict:
     import torch
-    from tqdm import tqdm
 
     from cvl.data.reader import index_shard
+    from cvl.progress import progress_bar
     from cvl.streams.manifest import load_manifest
 
     manifest = load_manifest(stream)
@@ -306,13 +307,13 @@ def _label_stream(stream: str | os.PathLike, opts: LabelOptions, accelerator: An
         num_workers=opts.num_workers,
         pin_memory=device.type == "cuda",
     )
-    bar = tqdm(
+    bar = progress_bar(
         total=len(entries),
         desc=f"labelling ({len(todo)}/{len(units)} units to do"
         + (f", {world} processes" if world > 1 else "")
         + ")",
         unit="img",
-        disable=not (opts.progress and main),
+        show=opts.progress and main,
     )
     lines: list[str] = []
     t0 = time.perf_counter()
@@ -438,10 +439,6 @@ def read_labels(folder: str | os.PathLike, part: str) -> dict[str, dict[str, Any
 
 
 # -- command ----------------------------------------------------------------------------------
-def _positive(ctx: click.Context, param: click.Parameter, value: int) -> int:
-    if value is not None and value <= 0:
-        raise click.BadParameter(f"must be a positive integer, got {value}")
-    return value
 
 
 @click.command("pseudo-label")
@@ -460,16 +457,17 @@ def _positive(ctx: click.Context, param: click.Parameter, value: int) -> int:
 @click.option(
     "--name", default=None, help="Labels folder STREAM/labels/NAME [model folder or id name]."
 )
-@click.option("--batch-size", default=64, show_default=True, callback=_positive)
+@click.option("--batch-size", default=64, show_default=True, type=POSITIVE_INT)
 @click.option(
     "--unit-size",
     default=4096,
     show_default=True,
-    callback=_positive,
+    type=POSITIVE_INT,
     help="Samples per resumable work unit (an interrupt loses at most one unit per process).",
 )
 @click.option(
     "--workers",
+    type=NON_NEGATIVE_INT,
     default=0,
     show_default=True,
     help="DataLoader workers decoding JPEGs per process.",
@@ -501,8 +499,6 @@ def pseudo_label(
           --model microsoft/beit-base-patch16-224 --batch-size 256 --workers 8
     Then: cvl build-stream class-split --from STREAM --labels NAME --steps 4 ...
     """
-    if workers < 0:
-        raise click.BadParameter(f"must be >= 0, got {workers}", param_hint="--workers")
     opts = LabelOptions(
         model=model,
         name=name,

@@ -33,16 +33,18 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.pool import Pool
 from pathlib import Path
+from typing import Any
 
 import click
 import numpy as np
 from PIL import Image, ImageDraw
-from tqdm import tqdm
 
+from cvl.checks import NON_NEGATIVE_INT, POSITIVE_INT, SEED
 from cvl.errors import CvlError
 from cvl.io import atomic_dir
+from cvl.progress import progress_bar
 from cvl.streams.manifest import EvalSet, Manifest, TaskInfo, save_manifest
-from cvl.streams.options import echo_summary, non_negative, positive
+from cvl.streams.options import echo_summary
 from cvl.streams.writer import BuildReport, ShardSink, encode_jpeg
 
 SS = 4  # supersampling factor for drawing
@@ -407,7 +409,7 @@ def _write_tasks(
     spec: SynthSpec,
     tasks_def: list[tuple[str, list[dict], dict[str, int]]],
     report: BuildReport,
-    bar: tqdm,
+    bar: Any,
     pool: Pool | None = None,
 ) -> tuple[dict[str, TaskInfo], dict[str, EvalSet]]:
     """Draw and write every split of every task; a task samples from one or several domains.
@@ -509,7 +511,7 @@ def build_synthetic(
         else "disjoint shapes and style per task; own background tint"
     )
     with atomic_dir(out, overwrite=overwrite, kind="stream") as tmp, _pool(processes) as pool:
-        bar = tqdm(total=total, desc="synthetic", unit="img", disable=not progress, leave=False)
+        bar = progress_bar(total=total, desc="synthetic", unit="img", show=progress, leave=False)
         tasks, eval_sets = _write_tasks(tmp, spec, defs, report, bar, pool)
         if spec.pretrain:
             ptmp = tmp / PRETRAIN_DIR
@@ -551,62 +553,55 @@ def build_synthetic(
     "--out", required=True, type=click.Path(file_okay=False), help="Stream folder to write."
 )
 @click.option(
-    "--tasks", default=5, show_default=True, callback=positive, help="Number of tasks (domains)."
+    "--tasks", default=5, show_default=True, type=POSITIVE_INT, help="Number of tasks (domains)."
 )
 @click.option(
     "--per-task",
     default=2000,
     show_default=True,
-    callback=positive,
+    type=POSITIVE_INT,
     help="Training pairs per task.",
 )
 @click.option(
     "--first-task",
-    type=int,
     default=None,
-    callback=positive,
+    type=POSITIVE_INT,
     help="Training pairs of task 0 if different (a larger first task, as Mod-X's COCO).",
 )
 @click.option(
     "--test-per-task",
-    type=int,
     default=None,
-    callback=non_negative,
+    type=NON_NEGATIVE_INT,
     help="Test pairs per task [max(50, per_task/5)].",
 )
 @click.option(
     "--val-per-task",
-    type=int,
     default=None,
-    callback=non_negative,
+    type=NON_NEGATIVE_INT,
     help="Validation pairs per task [max(20, per_task/10)].",
 )
 @click.option(
     "--query-per-task",
-    type=int,
     default=None,
-    callback=non_negative,
+    type=NON_NEGATIVE_INT,
     help="mAP queries per task [max(20, per_task/10)].",
 )
 @click.option(
     "--gallery-per-task",
-    type=int,
     default=None,
-    callback=non_negative,
+    type=NON_NEGATIVE_INT,
     help="mAP gallery items per task [max(50, per_task/2)].",
 )
 @click.option(
     "--shapes-per-task",
-    type=int,
     default=None,
-    callback=positive,
+    type=POSITIVE_INT,
     help="Shapes (categories) per task [min(4, 28/tasks)].",
 )
 @click.option(
     "--overlap",
-    type=int,
     default=None,
-    callback=non_negative,
+    type=NON_NEGATIVE_INT,
     help="Shapes each task keeps from the previous task (it also draws half its pictures in "
     "the previous task's style) [shapes per task - 1]; 0 = the 'disjoint' stream (no shape or "
     "style shared between tasks).",
@@ -615,20 +610,22 @@ def build_synthetic(
     "--pretrain",
     default=0,
     show_default=True,
-    callback=non_negative,
+    type=NON_NEGATIVE_INT,
     help="Also write a broad pretraining stream of N pairs (all domains) to OUT/pretrain: "
     "train CLIP_0 on it, then start methods from it with `cvl train --init-run`.",
 )
 @click.option(
-    "--image-size", default=32, show_default=True, callback=positive, help="Image side in pixels."
+    "--image-size", default=32, show_default=True, type=POSITIVE_INT, help="Image side in pixels."
 )
-@click.option("--seed", default=0, show_default=True, help="Same seed -> byte-identical stream.")
+@click.option(
+    "--seed", type=SEED, default=0, show_default=True, help="Same seed -> byte-identical stream."
+)
 @click.option("--name", default=None, help="Stream name [folder name].")
 @click.option(
     "--processes",
     default=1,
     show_default=True,
-    callback=positive,
+    type=POSITIVE_INT,
     help="Processes that draw and encode the images (the same bytes for any number).",
 )
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")

@@ -29,9 +29,10 @@ from typing import Any
 import click
 import numpy as np
 
+from cvl.checks import POSITIVE_INT
 from cvl.errors import CvlError
 from cvl.streams.manifest import Manifest
-from cvl.streams.options import build_options, common_options, finish, positive, split_options
+from cvl.streams.options import build_options, common_options, finish, split_options
 from cvl.streams.pipeline import (
     SPLITS,
     BuildOptions,
@@ -270,9 +271,9 @@ def collect(
 
 
 def _progress(it: Iterator[Record], on: bool) -> Iterator[Record]:
-    from tqdm import tqdm
+    from cvl.progress import progress_bar
 
-    return iter(tqdm(it, desc="reading", unit="rec", disable=not on, leave=False, mininterval=1.0))
+    return iter(progress_bar(it, desc="reading", unit="rec", show=on, leave=False, mininterval=1.0))
 
 
 FILE_STRIDE = 10**10  # record numbers of several files: file index * stride + record number
@@ -505,9 +506,8 @@ def build_table(
 @click.option("--task-name", default="all", show_default=True, help="Task name without --task-col.")
 @click.option(
     "--limit-per-task",
-    type=int,
     default=None,
-    callback=positive,
+    type=POSITIVE_INT,
     help="With --task-col: at most N training pairs per task (seeded).",
 )
 @split_options(1)

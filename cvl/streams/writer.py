@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 from collections import Counter
 from pathlib import Path
@@ -66,22 +67,50 @@ class ShardSink:
             self.close_shard()
             self._open()
         assert self._writer is not None
-        self._writer.write(
-            {
-                "__key__": key,
-                "jpg": jpg,
-                "txt": caption.encode("utf-8"),
-                "json": json.dumps(meta, ensure_ascii=False, sort_keys=True).encode("utf-8"),
-            }
-        )
+        try:
+            self._writer.write(
+                {
+                    "__key__": key,
+                    "jpg": jpg,
+                    "txt": caption.encode("utf-8"),
+                    "json": json.dumps(meta, ensure_ascii=False, sort_keys=True).encode("utf-8"),
+                }
+            )
+        except BaseException:
+            self.abandon()
+            raise
         self._in_shard += 1
         self.count += 1
         return key
 
     def close_shard(self) -> None:
         if self._writer is not None:
-            self._writer.close()
+            try:
+                self._writer.close()
+            except BaseException:
+                self.abandon()
+                raise
             self._writer = None
+
+    def abandon(self) -> None:
+        """Drop the open shard after a failed write (a full disk): its file is closed without
+        flushing what is buffered, so the tar stream's finaliser does not try the write again
+        at garbage collection (a second traceback after the one-line error). The build's
+        temporary folder, the shard with it, is removed by `atomic_dir`."""
+        w, self._writer = self._writer, None
+        if w is None:
+            return
+        stream = getattr(w.tarstream, "fileobj", None)  # tarfile's _Stream ("w|" mode)
+        for obj in (w.tarstream, stream):
+            if obj is not None and hasattr(obj, "closed"):
+                obj.closed = True  # nothing left to finish: the shard is discarded
+        raw = w.own_fileobj
+        if raw is not None:
+            try:
+                os.close(raw.fileno())  # the descriptor, not the buffered file (no flush)
+            except (OSError, ValueError):
+                pass
+            w.own_fileobj = None
 
     def close(self) -> ShardSet:
         """Finish the last shard and describe what was written."""

@@ -78,8 +78,36 @@ def state_copy(state: dict[str, Any]) -> dict[str, Any]:
     return _join(skeleton, tensors)
 
 
+class _Writer:
+    """A file torch.save writes through, keeping the OSError of a failed write: torch's own
+    writer reports it only as `RuntimeError: ... unexpected pos N vs M`, which says nothing
+    of a full disk (`cvl.io.write_failure` needs the errno)."""
+
+    def __init__(self, f: Any) -> None:
+        self.f, self.error = f, None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
 def save_torch(path: str | os.PathLike, obj: Any) -> None:
-    torch.save(obj, str(path))
+    """torch.save to `path` (streamed, not built in memory); a write the filesystem refuses
+    raises its OSError (ENOSPC, EFBIG, ...), not torch's RuntimeError."""
+    with open(path, "wb") as f:
+        w = _Writer(f)
+        try:
+            torch.save(obj, w)
+        except RuntimeError:
+            if w.error is not None:
+                raise w.error from None
+            raise
 
 
 def load_torch(path: str | os.PathLike) -> Any:

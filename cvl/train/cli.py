@@ -7,6 +7,7 @@ from typing import Any
 import click
 
 from cvl.device import deterministic_option, device_option
+from cvl.train.config import LIMITS
 from cvl.train.schedules import SCHEDULES
 
 # CLI option name -> TrainConfig field; only options given explicitly override the YAML.
@@ -96,22 +97,26 @@ _OPTS = [
     "`build-stream synthetic --pretrain`), or a task folder RUN/tasks/NN-name. Same model "
     "config as that run.",
 )
-@click.option("--epochs", type=int, default=2, show_default=True, help="Epochs per task.")
+@click.option(
+    "--epochs", type=LIMITS["epochs"], default=2, show_default=True, help="Epochs per task."
+)
 @click.option(
     "--batch-size",
-    type=int,
+    type=LIMITS["batch_size"],
     default=64,
     show_default=True,
     help="Per-process batch; global = this × processes.",
 )
 @click.option(
     "--lr",
-    type=float,
+    type=LIMITS["lr"],
     default=5e-4,
     show_default=True,
     help="Peak learning rate (the optimizer is re-created per task).",
 )
-@click.option("--min-lr", type=float, default=0.0, show_default=True, help="Cosine schedule floor.")
+@click.option(
+    "--min-lr", type=LIMITS["min_lr"], default=0.0, show_default=True, help="Cosine schedule floor."
+)
 @click.option(
     "--optimizer",
     default="adamw",
@@ -119,17 +124,17 @@ _OPTS = [
     type=click.Choice(["adamw", "lamb"]),
     help="AdamW, or LAMB (timm's; layer-wise trust ratio, IncCLIP's optimizer).",
 )
-@click.option("--weight-decay", type=float, default=0.1, show_default=True)
+@click.option("--weight-decay", type=LIMITS["weight_decay"], default=0.1, show_default=True)
 @click.option(
     "--warmup",
-    type=float,
+    type=LIMITS["warmup"],
     default=0.0,
     show_default=True,
     help="Warm-up: fraction of the task's steps (<1) or steps (>=1).",
 )
 @click.option(
     "--warmup-later",
-    type=float,
+    type=LIMITS["warmup"],
     default=None,
     help="Warm-up of every task after the first (same units as --warmup) [--warmup]: "
     "TiC-CLIP's warm start, e.g. --warmup 10000 --warmup-later 2000.",
@@ -147,17 +152,25 @@ _OPTS = [
 )
 @click.option(
     "--cooldown",
-    type=float,
+    type=LIMITS["cooldown"],
     default=0.1,
     show_default=True,
     help="rsqrt schedules: linear cool-down to 0 at each task's end, fraction of its steps (<1) "
     "or steps (>=1).",
 )
 @click.option(
-    "--grad-clip", type=float, default=0.0, show_default=True, help="Max gradient norm (0 = off)."
+    "--grad-clip",
+    type=LIMITS["grad_clip"],
+    default=0.0,
+    show_default=True,
+    help="Max gradient norm (0 = off).",
 )
 @click.option(
-    "--grad-accum", type=int, default=1, show_default=True, help="Micro-batches per optimizer step."
+    "--grad-accum",
+    type=LIMITS["grad_accum"],
+    default=1,
+    show_default=True,
+    help="Micro-batches per optimizer step.",
 )
 @click.option(
     "--precision",
@@ -168,7 +181,7 @@ _OPTS = [
     "float16 autocast with loss scaling (GPU only; gradients are unscaled before a method's "
     "after_backward).",
 )
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=LIMITS["seed"], default=0, show_default=True)
 @click.option(
     "--augment",
     default="openclip",
@@ -181,7 +194,9 @@ _OPTS = [
     type=click.Choice(["reservoir", "ring", "kmeans", "mof"]),
     help="Replay buffer strategy (any method).",
 )
-@click.option("--buffer-size", type=int, default=0, help="Replay buffer capacity (pairs).")
+@click.option(
+    "--buffer-size", type=LIMITS["buffer_size"], default=0, help="Replay buffer capacity (pairs)."
+)
 @click.option(
     "--tune",
     default="full",
@@ -202,7 +217,7 @@ _OPTS = [
 )
 @click.option(
     "--workers",
-    type=int,
+    type=LIMITS["workers"],
     default=-1,
     show_default=True,
     help="Loader worker processes per training process (decode + augment): -1 = auto: the "
@@ -211,14 +226,14 @@ _OPTS = [
 )
 @click.option(
     "--checkpoint-every",
-    type=int,
+    type=LIMITS["checkpoint_every"],
     default=50,
     show_default=True,
     help="Optimizer steps between mid-task checkpoints.",
 )
 @click.option(
     "--log-every",
-    type=int,
+    type=LIMITS["log_every"],
     default=10,
     show_default=True,
     help="Optimizer steps per train_log.jsonl line (+ one at each checkpoint and task end); "
@@ -232,7 +247,10 @@ _OPTS = [
     type=click.Choice(["auto", "tensorboard", "wandb", "none"]),
 )
 @click.option(
-    "--max-steps-per-task", type=int, default=0, help="Stop each task after N steps (smoke tests)."
+    "--max-steps-per-task",
+    type=LIMITS["max_steps_per_task"],
+    default=0,
+    help="Stop each task after N steps (smoke tests).",
 )
 @click.option(
     "--select",
@@ -245,7 +263,7 @@ _OPTS = [
 )
 @click.option(
     "--skip-nonfinite",
-    type=int,
+    type=LIMITS["skip_nonfinite"],
     default=0,
     show_default=True,
     help="Optimizer steps with a NaN/Inf loss to skip (no update, counted in the log as "

@@ -13,6 +13,16 @@ from typing import Any
 
 import yaml
 
+from cvl.checks import (
+    NON_NEGATIVE_FLOAT,
+    NON_NEGATIVE_INT,
+    POSITIVE_FLOAT,
+    POSITIVE_INT,
+    SEED,
+    WORKERS,
+    Num,
+    to_bool,
+)
 from cvl.errors import CvlError
 
 
@@ -67,17 +77,18 @@ class TrainConfig:
     pretrain_data: str | None = None  # the mixture's pretraining source: a stream or shards
 
     def validate(self) -> TrainConfig:
-        """Clear one-line errors for values no run could use."""
-        pos = ("epochs", "batch_size", "grad_accum", "log_every")
-        for k in pos:
-            if getattr(self, k) <= 0:
-                raise CvlError(f"--{k.replace('_', '-')} must be positive, got {getattr(self, k)}")
-        if self.skip_nonfinite < 0:
-            raise CvlError(f"--skip-nonfinite must be >= 0, got {self.skip_nonfinite}")
-        if self.workers < -1:
-            raise CvlError(f"--workers must be -1 (auto), 0 or positive, got {self.workers}")
-        if self.lr <= 0:
-            raise CvlError(f"--lr must be positive, got {self.lr}")
+        """Clear one-line errors for values no run could use or that would train wrongly or
+        not at all: every number against its rule in `LIMITS` (finite, in range), switches
+        as real booleans, choices, combinations (a floor above the peak rate, ...)."""
+        for k, rule in LIMITS.items():
+            setattr(self, k, rule.check(getattr(self, k), option_name(k)))
+        if self.min_lr > self.lr:
+            raise CvlError(
+                f"--min-lr {self.min_lr:g} is above --lr {self.lr:g}: the cosine schedule would "
+                "raise the rate instead of lowering it"
+            )
+        for k in ("grad_checkpointing", "compile"):
+            setattr(self, k, to_bool(getattr(self, k), option_name(k)))
         if self.model not in ("clip", "fusion"):
             raise CvlError(f"--model must be clip or fusion, got '{self.model}'")
         if self.precision not in ("no", "bf16", "fp16"):
@@ -92,11 +103,14 @@ class TrainConfig:
             raise CvlError(
                 f"--select must be one of {', '.join(SELECT_CHOICES)}, got '{self.select}'"
             )
-        if self.deterministic is not None and not isinstance(self.deterministic, bool):
-            raise CvlError(f"deterministic must be true or false, got {self.deterministic!r}")
+        if self.deterministic is not None:
+            self.deterministic = to_bool(self.deterministic, "--deterministic")
+        if self.warmup_later is not None:
+            self.warmup_later = NON_NEGATIVE_FLOAT.check(self.warmup_later, "--warmup-later")
         from cvl.train.budget import budget_options, parse_budget
 
         b = parse_budget(self.budget)  # a clear error for a malformed spec
+        self.budget = b.spec if b is not None else None  # '' (or blanks) is no budget
         opts = budget_options(b, self.budget_args)  # ... and for unknown or misplaced options
         self.budget_args = {k: opts[k] for k in self.budget_args}  # normalised: "Equal" -> equal
         if self.pretrained and self.init_run:
@@ -150,6 +164,42 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
+# Fields only a `--config` YAML sets (the CLI has no option for them).
+YAML_ONLY = {"beta1", "beta2", "eps", "method_args", "tune_args"}
+
+
+def option_name(key: str) -> str:
+    """How messages name a config key: its `cvl train` option (`min_lr` -> `--min-lr`; the
+    YAML key is the same with underscores), or `eps (--config)` for a YAML-only field."""
+    return f"{key} (--config)" if key in YAML_ONLY else "--" + key.replace("_", "-")
+
+
+# The rule of every numeric field (`cvl.checks.Num`): the click options of `cvl train` use
+# them as their types and `TrainConfig.validate` applies them to the resolved config (YAML
+# values included), so NaN / inf and out-of-range values are refused before anything runs.
+LIMITS: dict[str, Num] = {
+    "epochs": POSITIVE_INT,
+    "batch_size": POSITIVE_INT,
+    "lr": POSITIVE_FLOAT,
+    "min_lr": NON_NEGATIVE_FLOAT,
+    "weight_decay": NON_NEGATIVE_FLOAT,
+    "warmup": NON_NEGATIVE_FLOAT,
+    "cooldown": NON_NEGATIVE_FLOAT,
+    "beta1": Num(float, 0, 1, hi_open=True),
+    "beta2": Num(float, 0, 1, hi_open=True),
+    "eps": POSITIVE_FLOAT,
+    "grad_clip": NON_NEGATIVE_FLOAT,
+    "grad_accum": POSITIVE_INT,
+    "seed": SEED,
+    "buffer_size": NON_NEGATIVE_INT,
+    "workers": WORKERS,
+    "checkpoint_every": NON_NEGATIVE_INT,
+    "log_every": POSITIVE_INT,
+    "max_steps_per_task": NON_NEGATIVE_INT,
+    "skip_nonfinite": NON_NEGATIVE_INT,
+}
+
+
 # Keys that do not change what is computed (a resumed run may change them freely).
 # skip_nonfinite: a run stopped by a NaN must be resumable with a skip allowance added.
 # grad_checkpointing and compile compute the same function (up to floating-point rounding).
@@ -199,18 +249,9 @@ def resolve(yaml_path: str | None, overrides: dict[str, Any]) -> TrainConfig:
         merged[key].update(overrides.pop(key, None) or {})
     base.update(overrides)
     base.update(merged)
-    types = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
     cfg = TrainConfig()
     for k, v in base.items():
-        d = getattr(cfg, k)
-        try:
-            if v is not None and isinstance(d, bool):
-                v = bool(v)
-            elif v is not None and isinstance(d, (int, float)) and not isinstance(d, bool):
-                v = type(d)(v)
-        except (TypeError, ValueError):
-            raise CvlError(f"config: {k}={v!r} should be {types[k]}") from None
-        setattr(cfg, k, v)
+        setattr(cfg, k, v)  # typed and checked by validate() (LIMITS, to_bool)
     return cfg.validate()
 
 

@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from cvl.data.augment import device_images, train_transform
 from cvl.data.mixture import build_mixture, task_data
@@ -45,6 +44,7 @@ from cvl.dist import GradReducer, world_size
 from cvl.errors import CvlError
 from cvl.methods.base import Method, TaskContext, frozen_copy
 from cvl.methods.registry import get_method
+from cvl.progress import progress_bar
 from cvl.runs import MODEL_FILE, task_dir
 from cvl.streams.manifest import Manifest, load_manifest
 from cvl.train.budget import budget_options, measure_step, parse_budget, plan_task
@@ -52,8 +52,16 @@ from cvl.train.config import TrainConfig
 from cvl.train.cost import CostTracker
 from cvl.train.guards import NonFiniteGuards
 from cvl.train.optim import optimizer_with_schedule, seed_torch
+from cvl.train.plan import (
+    BN_MESSAGE,
+    batchnorm_message,
+    check_plan,
+    check_run,
+    needs_two_rows,
+    plan_steps,
+)
 from cvl.train.rundir import LAST, RunFolder
-from cvl.train.schedules import lr_multiplier, task_position, task_steps
+from cvl.train.schedules import lr_multiplier, task_position
 from cvl.train.selection import BestKeeper, selection_set, val_score
 
 
@@ -168,6 +176,8 @@ class Trainer(RunFolder, NonFiniteGuards):
             raise CvlError(
                 f"method '{cfg.method}' needs a replay buffer: add --buffer {hint} --buffer-size N"
             )
+        # settings that leave a task without a step: refused before anything is written
+        self._plans = check_run(cfg, self.manifest, self.method, self.acc.num_processes)
         self._lock_run_dir()
         try:
             self._prepare_run_dir(force)
@@ -288,8 +298,6 @@ class Trainer(RunFolder, NonFiniteGuards):
     def _run(self) -> None:
         cfg, acc = self.cfg, self.acc
         self.order = list(self.manifest.task_order)
-        if self.acc.is_main_process and self._trackers(cfg.log_with):
-            acc.init_trackers("cvl", config={k: str(v) for k, v in cfg.to_json().items()})
         buffer = None
         if cfg.buffer:
             from cvl.methods.buffers import build_buffer
@@ -309,6 +317,9 @@ class Trainer(RunFolder, NonFiniteGuards):
         indices = [len(self.order) - 1] if single else list(range(len(self.order)))
         self.indices = indices
         start, pos = self._resume_point(indices, ctx)
+        todo = any(ti >= start for ti in indices)  # a finished run writes nothing, not even logs
+        if todo and self.acc.is_main_process and self._trackers(cfg.log_with):
+            acc.init_trackers("cvl", config={k: str(v) for k, v in cfg.to_json().items()})
         with nondeterministic_ops_stop(acc.device):  # deterministic mode: name the op, one line
             for ti in indices:
                 if ti < start:
@@ -327,7 +338,12 @@ class Trainer(RunFolder, NonFiniteGuards):
         batch["image"] = device_images(batch, transform, acc.device)
         batch["text"] = batch["text"].to(acc.device, non_blocking=True)
         with acc.autocast():
-            out = forward(batch["image"], batch["text"])
+            try:
+                out = forward(batch["image"], batch["text"])
+            except ValueError as e:  # a batch BatchNorm cannot train on: one line
+                if BN_MESSAGE not in str(e):
+                    raise
+                raise CvlError(batchnorm_message(ctx.task_name, batch["image"].shape[0])) from None
             terms = self.method.loss(batch, out, ctx)
         if not terms:
             raise CvlError(f"method '{self.cfg.method}' returned no loss terms")
@@ -383,6 +399,7 @@ class Trainer(RunFolder, NonFiniteGuards):
         self.cost.begin_task(pos.get("cost") if pos else None)
         self._budget_rec: dict | None = None
         if not self.method.trains:
+            self._no_step = f"method {cfg.method} does not train"
             self._finish_task(ti, ctx, [])
             return
         self.tuning.begin_task(self.model, self._tune_seed(ti))
@@ -403,8 +420,13 @@ class Trainer(RunFolder, NonFiniteGuards):
             skipped=Counter(self.skipped.get(name, {})),
             name=f"task {name}",
         )
-        total = ctx.steps_in_task = task_steps(data.per_epoch, cfg)
-        if self.budget is not None:  # the steps the task's budget buys (cvl.train.budget)
+        steps = plan_steps(len(ds), cfg, acc.num_processes, data.per_epoch)  # cvl.train.plan
+        check_plan(steps, name, cfg, stop_on_zero_steps=False)
+        if steps.min_rows == 1 and needs_two_rows(self.model, acc.device):
+            raise CvlError(batchnorm_message(name, 1))
+        total = ctx.steps_in_task = steps.steps
+        self._no_step = steps.why_no_step(cfg)  # said in task.json and on the console
+        if self.budget is not None and total:  # the steps its budget buys (cvl.train.budget)
             total, self._budget_rec = plan_task(self, ctx, ds, gb, total, pos)
             ctx.steps_in_task = total
         elif cfg.compile and self.cost.enabled and not self.cost.has_step:
@@ -424,18 +446,18 @@ class Trainer(RunFolder, NonFiniteGuards):
                     self._validate(sel, ctx, epoch0 - 1)  # saved right after that epoch's end
         elif acc.is_main_process and self._log_path.exists():
             self._log_path.unlink()
+        self._commit_run_json()  # a resumed run's run.json, once all it needs has loaded
         ctx.global_step = sum(self._steps_done_before(ti)) + ctx.step
         self.model.train()
-        bar = tqdm(
+        bar = progress_bar(
             total=total,
             initial=ctx.step,
             desc=f"task {ti + 1}/{len(self.order)} {name}",
-            disable=not (self.progress and acc.is_main_process),
+            show=self.progress and acc.is_main_process,
             unit="step",
             dynamic_ncols=True,
         )
-        n_batches = data.per_epoch
-        usable = (n_batches // cfg.grad_accum) * cfg.grad_accum or n_batches
+        usable = steps.usable_batches  # batches of an epoch that complete an optimizer step
 
         def plan():  # the global batches still to train, over all epochs (lazy), no more
             left = max(0, total - ctx.step) * cfg.grad_accum
@@ -538,7 +560,7 @@ class Trainer(RunFolder, NonFiniteGuards):
         self._finish_task(ti, ctx, [])
 
     def _flush_log(
-        self, window: _LogWindow, ctx: TaskContext, epoch: int, lr: float, bar: tqdm
+        self, window: _LogWindow, ctx: TaskContext, epoch: int, lr: float, bar: Any
     ) -> None:
         """Reduce the window across ranks (one all_reduce per line) and log it.
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from cvl.errors import CvlError
 from cvl.train.schedules import cosine_schedule
 
 
@@ -27,12 +28,18 @@ def optimizer_with_schedule(
         {"params": no_decay, "weight_decay": 0.0},
     ]
     betas = (cfg.beta1, cfg.beta2)
-    if getattr(cfg, "optimizer", "adamw") == "lamb":
-        from timm.optim import Lamb
+    try:  # the config's rules (cvl.train.config.LIMITS) check these first; this is the backstop
+        if getattr(cfg, "optimizer", "adamw") == "lamb":
+            from timm.optim import Lamb
 
-        opt = Lamb(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, max_grad_norm=None)
-    else:
-        opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
+            opt = Lamb(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, max_grad_norm=None)
+        else:
+            opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
+    except ValueError as e:
+        raise CvlError(
+            f"the optimizer refuses the settings ({e}): check --lr, --weight-decay and the "
+            "--config values beta1, beta2, eps"
+        ) from None
     if lr_lambda is None:
         lr_lambda = cosine_schedule(steps, cfg.warmup, cfg.lr, cfg.min_lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)

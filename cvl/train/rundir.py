@@ -92,13 +92,14 @@ class RunFolder:
     def _note_runtime_change(self, old: dict[str, Any]) -> None:
         """Keep the earlier sessions' runtimes that differ; say when determinism changes."""
         self._earlier_runtimes = list(old.get("earlier_runtimes") or [])
+        self._notes: list[str] = getattr(self, "_notes", [])
         before, now = old.get("runtime"), self._runtime()
         if not before or before == now:
             return
         self._earlier_runtimes.append(before)
-        if before.get("deterministic") != now["deterministic"] and self.acc.is_main_process:
+        if before.get("deterministic") != now["deterministic"]:  # said when it trains (commit)
             flag = "--deterministic" if now["deterministic"] else "--no-deterministic"
-            self.acc.print(
+            self._notes.append(
                 f"note: {self.out} continues with {flag} (it trained with the other mode so "
                 "far); run.json records both: an exact rerun needs the same mode throughout"
             )
@@ -123,8 +124,14 @@ class RunFolder:
 
         self.tuning = Tuning(cfg.tune, cfg.tune_args)  # which parameters train (cvl.models.tune)
         self.tuning.apply(self.model, self._tune_seed(0))
+        from cvl.train.plan import batchnorm_message, needs_two_rows
+
+        one = [t for t, p in getattr(self, "_plans", {}).items() if p.min_rows == 1]
+        if one and needs_two_rows(self.model, self.acc.device):  # before anything is written
+            raise CvlError(batchnorm_message(one[0], 1))
         rj = self.out / RUN_JSON
-        history: list[dict[str, Any]] = []
+        self._history: list[dict[str, Any]] = []
+        self._committed = False
         if rj.is_file():
             old = read_json(rj)
             diff = config_diff(old.get("config", {}), cfg.to_json())
@@ -139,9 +146,13 @@ class RunFolder:
                     f"{self.out} holds a run with another config ({'; '.join(diff)}); "
                     "use another --out, or --force to continue with the new config"
                 )
-            history = self._forced_history(old, diff)
+            self._history = self._forced_history(old, diff)
             self._note_runtime_change(old)
             self.resumed = True
+            if not (self.out / "init" / MODEL_FILE).is_file():  # written at commit, if at all
+                from cvl.models.tune import plain_copy
+
+                self._init_model = plain_copy(self.model).cpu()
         else:
             if self.out.exists() and (not self.out.is_dir() or any(self.out.iterdir())):
                 raise CvlError(
@@ -149,15 +160,37 @@ class RunFolder:
                 )
             self.resumed = False
         self.acc.wait_for_everyone()  # every rank has checked the folder before rank 0 writes
-        if self.acc.is_main_process:
-            self.out.mkdir(parents=True, exist_ok=True)
-            write_json(rj, {**self._run_json(), **({"changes": history} if history else {})})
-            if not (self.out / "init" / MODEL_FILE).is_file():
-                from cvl.models import save_weights
-
-                with atomic_dir(self.out / "init", overwrite=True) as tmp:
-                    save_weights(self.model, tmp / MODEL_FILE)
+        if not self.resumed:
+            self._commit_run_json()  # a new run: run.json and init/ now
         self.acc.wait_for_everyone()
+
+    def _commit_run_json(self) -> None:
+        """Write run.json (config, --force changes, runtime) and a missing init/, once.
+
+        A new run writes them at its start. A resumed run writes them only once everything
+        the resume needs has been loaded (the last finished task's method state; last/'s
+        weights, optimizer, method state and best-val keeper: the loop calls this before the
+        first step it trains), as checkpoints are built aside and swapped in:
+        a refused or failed resume leaves the run folder as it was, and a run with nothing
+        left to train writes nothing at all (it may sit on a read-only filesystem)."""
+        if self._committed:
+            return
+        self._committed = True
+        if not self.acc.is_main_process:
+            return
+        from cvl.io import make_dirs
+        from cvl.models import save_weights
+
+        make_dirs(self.out)
+        history = self._history
+        for note in getattr(self, "_notes", []):  # said once they hold (the resume has loaded)
+            self.acc.print(note)
+        write_json(
+            self.out / RUN_JSON, {**self._run_json(), **({"changes": history} if history else {})}
+        )
+        if not (self.out / "init" / MODEL_FILE).is_file():
+            with atomic_dir(self.out / "init", overwrite=True, retry="run") as tmp:
+                save_weights(getattr(self, "_init_model", None) or self.model, tmp / MODEL_FILE)
 
     def _lock_run_dir(self) -> None:
         """Hold RUN's lock for the whole run (rank 0; every rank learns the outcome), then
@@ -226,11 +259,8 @@ class RunFolder:
                 "time": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             }
         )
-        if self.acc.is_main_process:
-            where = f"task {start}" + (f", step {pos['step']}" if pos is not None else "")
-            self.acc.print(
-                f"--force: {', '.join(sorted(fields)) or 'stream'} changed from {where} on"
-            )
+        where = f"task {start}" + (f", step {pos['step']}" if pos is not None else "")
+        self._notes = [f"--force: {', '.join(sorted(fields)) or 'stream'} changed from {where} on"]
         return history
 
     def _resume_point(self, indices: list[int], ctx: TaskContext) -> tuple[int, dict | None]:
@@ -243,7 +273,7 @@ class RunFolder:
             d = task_dir(self.out, last_done, self.order[last_done])
             load_weights(self.model, d / MODEL_FILE)
             st = load_state(d, METHOD_STATE)
-            self._restore_method_state(st, ctx)
+            self._restore_method_state(st, ctx, where=d)
         if self.acc.is_main_process:
             recover_dir(self.out / LAST)  # a kill inside the last/ swap: the previous one
         self.acc.wait_for_everyone()
@@ -257,12 +287,26 @@ class RunFolder:
             self.acc.print(f"resuming {self.out} at {where}")
         return start, pos
 
-    def _restore_method_state(self, st: dict[str, Any], ctx: TaskContext) -> None:
+    def _restore_method_state(
+        self, st: dict[str, Any], ctx: TaskContext, where: Path | None = None
+    ) -> None:
+        """Load a saved method (and buffer) state; from a finished task's folder (`where`), a
+        state that does not fit this run is one line saying so (run.json is not yet
+        rewritten at that point: the folder stays as it was)."""
         if not st:
             return
-        self.method.load_state_dict(st.get("method", {}))
-        if ctx.buffer is not None and st.get("buffer"):
-            ctx.buffer.load_state_dict(st["buffer"])
+        try:
+            self.method.load_state_dict(st.get("method", {}))
+            if ctx.buffer is not None and st.get("buffer"):
+                ctx.buffer.load_state_dict(st["buffer"])
+        except CvlError as e:
+            if where is None:
+                raise
+            forced = ", without --force's changes" if getattr(self, "_forced", None) else ""
+            raise CvlError(
+                f"{where}: cannot resume from the method state saved there: {e}; nothing was "
+                f"changed in {self.out}: rerun with the run's settings (run.json){forced}"
+            ) from None
 
     def _method_state(self, ctx: TaskContext) -> dict[str, Any]:
         st: dict[str, Any] = {"method": self.method.state_dict()}
@@ -344,7 +388,7 @@ class RunFolder:
         state = self._method_state(ctx)  # collective-free; every rank computes it
         cost = self.cost.state()  # collective: counts summed over ranks
         if self.acc.is_main_process:
-            with atomic_dir(self.out / LAST, overwrite=True) as tmp:
+            with atomic_dir(self.out / LAST, overwrite=True, retry="run") as tmp:
                 save_weights(self.model, tmp / MODEL_FILE)
                 if self.tuning.adapters:
                     from safetensors.torch import save_file
@@ -382,9 +426,11 @@ class RunFolder:
         gb = self.cfg.batch_size * self.acc.num_processes * self.cfg.grad_accum
         cost = self.cost.task_record(ctx.step, gb, self.acc.num_processes)  # collective
         budget = getattr(self, "_budget_rec", None)
+        no_step = getattr(self, "_no_step", None) if ctx.step == 0 else None
+        self._commit_run_json()
         if self.acc.is_main_process:
             d = task_dir(self.out, ti, self.order[ti])
-            with atomic_dir(d, overwrite=True) as tmp:
+            with atomic_dir(d, overwrite=True, retry="run") as tmp:
                 save_weights(self.model, tmp / MODEL_FILE)
                 save_state(tmp, METHOD_STATE, state)
                 if self._log_path.is_file():
@@ -406,10 +452,17 @@ class RunFolder:
                         ),
                         "cost": cost,
                         **({"budget": budget} if budget is not None else {}),
+                        **({"no_optimizer_step": no_step} if no_step else {}),
                     },
                 )
             rj = read_json(self.out / RUN_JSON)
             write_json(self.out / RUN_JSON, {**rj, "cost": summarize_run(self.out)})
             shutil.rmtree(self.out / LAST, ignore_errors=True)
-            self.acc.print(f"task {ti + 1}/{len(self.order)} {ctx.task_name}: saved {d}")
+            head = f"task {ti + 1}/{len(self.order)} {ctx.task_name}"
+            if no_step:  # never "saved" as if it trained
+                self.acc.print(
+                    f"{head}: no optimizer step ({no_step}); {d} keeps its start weights"
+                )
+            else:
+                self.acc.print(f"{head}: saved {d}")
         self.acc.wait_for_everyone()

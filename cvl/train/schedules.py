@@ -238,10 +238,10 @@ def check_schedule(cfg: Any) -> None:
 
 # -- the stream plan ---------------------------------------------------------------------------
 def task_steps(per_epoch: int, cfg: Any) -> int:
-    """A task's optimizer steps without --budget: epochs × (global batches // grad_accum),
-    at least one per epoch, capped by --max-steps-per-task."""
-    total = max(1, per_epoch // cfg.grad_accum) * cfg.epochs
-    return min(total, cfg.max_steps_per_task) if cfg.max_steps_per_task else total
+    """A task's optimizer steps without --budget (`cvl.train.plan.steps_of`)."""
+    from cvl.train.plan import steps_of
+
+    return steps_of(per_epoch, cfg)
 
 
 def stream_plan(trainer: Any, indices: Sequence[int]) -> tuple[float, ...]:

@@ -188,4 +188,6 @@ def method_label(cfg: dict[str, Any], run: Path) -> str:
     if not m:
         return run.name
     b = cfg.get("buffer")
-    return f"{m}+{b}({cfg.get('buffer_size')})" if b else str(m)
+    if not b:
+        return str(m)
+    return f"{m}+{b}({cfg['buffer_size']})" if cfg.get("buffer_size") else f"{m}+{b}"

@@ -8,6 +8,18 @@ import click
 
 from cvl.device import deterministic_option, device_option
 
+# `--buffer` choices (= cvl.methods.buffers.buffer_names(), checked by a test; listed here so
+# that `cvl train --help` does not import torch)
+BUFFER_CHOICES = [
+    "reservoir",
+    "ring",
+    "kmeans",
+    "mof",
+    "cumulative-all",
+    "cumulative-equal",
+    "cumulative-exp",
+]
+
 # CLI option name -> TrainConfig field; only options given explicitly override the YAML.
 _OPTS = [
     "stream",
@@ -140,10 +152,17 @@ _OPTS = [
 @click.option(
     "--buffer",
     default=None,
-    type=click.Choice(["reservoir", "ring", "kmeans", "mof"]),
-    help="Replay buffer strategy (any method).",
+    type=click.Choice(BUFFER_CHOICES),
+    help="Replay buffer strategy (any method): reservoir (ER), ring (DHA), kmeans, mof "
+    "(herding), or TiC-CLIP's cumulative-all (every past pair), cumulative-equal (the budget "
+    "split equally among past tasks), cumulative-exp (halved per task of age).",
 )
-@click.option("--buffer-size", type=int, default=0, help="Replay buffer capacity (pairs).")
+@click.option(
+    "--buffer-size",
+    type=int,
+    default=0,
+    help="Replay buffer capacity (pairs); not with cumulative-all.",
+)
 @click.option(
     "--tune",
     default="full",

@@ -65,6 +65,9 @@ def test_shares_follow_task_sizes():
     per = Budget("tflops", 2.0, True, "tflops=2/task")
     assert task_share(per, counts, 1, 3, False) == 2.0
     assert task_share(per, {2: 400}, 2, 3, True) == 6.0  # joint stands for the 3 tasks
+    # TiC's Oracle (joint restart=true): task t stands for tasks 0..t
+    assert [task_share(per, counts, i, 3, False, seen=True) for i in range(3)] == [2.0, 4.0, 6.0]
+    assert [task_share(b, counts, i, 3, False, seen=True) for i in range(3)] == [5.0, 7.5, 10.0]
     assert derive_steps(6.0, 1.0, 10) == (6, 6)  # exact multiples are not lost to rounding
     assert derive_steps(6.0, 1.0, 4) == (6, 4)  # capped by the epochs
     assert derive_steps(0.5, 1.0, 4) == (1, 1)  # less than one step: one

@@ -154,7 +154,11 @@ def test_cumulative_exp_halves_old_steps_per_step():
     ]
     _nested(after)
     _, odd = _fill("cumulative-exp", 10, YEARS)  # rounding: old ⌊half⌋, the newest the rest
-    assert _counts(odd)[:3] == [{"2016": 10}, {"2016": 5, "2017": 5}, {"2016": 2, "2017": 2, "2018": 6}]
+    assert _counts(odd)[:3] == [
+        {"2016": 10},
+        {"2016": 5, "2017": 5},
+        {"2016": 2, "2017": 2, "2018": 6},
+    ]
     assert all(sum(c.values()) == 10 for c in _counts(odd))
 
 

@@ -18,7 +18,8 @@ SPEC is `samples=N`, `tflops=N` or `maf=N`, for the whole stream, or with `/task
 
 A stream budget is shared by the trained tasks in proportion to their training pairs (the
 stream's counts); a joint run (one task on everything) gets all of it, or N × tasks with
-`/task`. Each task's steps = floor(its budget / cost per step), at least one; `--epochs` (and
+`/task`; TiC-CLIP's Oracle (`joint restart=true`, each task retrained from scratch on tasks
+0..t) gets for task t the budget of tasks 0..t. Each task's steps = floor(its budget / cost per step), at least one; `--epochs` (and
 `--max-steps-per-task`) stay an upper bound: a budget beyond them trains that many steps, says
 so and records the unspent part (raise `--epochs` to spend it). The learning-rate schedule
 spans the derived steps.
@@ -96,14 +97,21 @@ def parse_budget(spec: str | None) -> Budget | None:
 
 
 def task_share(
-    b: Budget, counts: dict[int, int], ti: int, n_tasks: int, single_task: bool
+    b: Budget,
+    counts: dict[int, int],
+    ti: int,
+    n_tasks: int,
+    single_task: bool,
+    seen: bool = False,
 ) -> float:
     """Task `ti`'s part of the budget (in the spec's unit). `counts`: training pairs of the
-    trained tasks, by index."""
+    trained tasks, by index. `seen`: the task stands for tasks 0..ti (TiC-CLIP's Oracle,
+    `joint restart=true`: step t retrains on everything with t × the per-step compute)."""
     if b.per_task:
-        return b.amount * (n_tasks if single_task else 1)
+        return b.amount * (n_tasks if single_task else ti + 1 if seen else 1)
     total = sum(counts.values())
-    return b.amount * counts[ti] / total if total else 0.0
+    mine = sum(c for i, c in counts.items() if i <= ti) if seen else counts[ti]
+    return b.amount * mine / total if total else 0.0
 
 
 def derive_steps(share: float, per_step: float, upper: int) -> tuple[int, int]:
@@ -248,7 +256,8 @@ def plan_task(
     cfg, acc = trainer.cfg, trainer.acc
     counts = {i: trainer.manifest.tasks[trainer.order[i]].train.count for i in trainer.indices}
     single = getattr(trainer.method, "single_task", False)
-    share = task_share(b, counts, ctx.task_index, len(trainer.order), single)
+    seen = getattr(trainer.method, "budget_seen", False)
+    share = task_share(b, counts, ctx.task_index, len(trainer.order), single, seen)
     rec: dict[str, Any] = {"spec": b.spec, "kind": b.kind, "per_task": b.per_task}
     rec["share"] = share
     samples_per_step = gb * cfg.grad_accum

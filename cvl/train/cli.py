@@ -36,6 +36,7 @@ _OPTS = [
     "optimizer",
     "weight_decay",
     "warmup",
+    "warmup_first",
     "grad_clip",
     "grad_accum",
     "precision",
@@ -132,6 +133,14 @@ _OPTS = [
     default=0.0,
     show_default=True,
     help="Warm-up: fraction of the task's steps (<1) or steps (>=1).",
+)
+@click.option(
+    "--warmup-first",
+    type=float,
+    default=None,
+    help="Warm-up of a task that starts from the initial weights (the first task; every task "
+    "of `joint restart=true`) when it differs from --warmup: TiC-CLIP warms up 10,000 of "
+    "20,500 steps from scratch, then 2,000 (--warmup-first 0.49 --warmup 0.1) [--warmup].",
 )
 @click.option(
     "--grad-clip", type=float, default=0.0, show_default=True, help="Max gradient norm (0 = off)."

@@ -34,6 +34,9 @@ class TrainConfig:
     min_lr: float = 0.0
     weight_decay: float = 0.1
     warmup: float = 0.0  # fraction of the task's optimizer steps (< 1) or a step count (≥ 1)
+    # the warm-up of a task trained from the initial weights (the first task; every task of
+    # `joint restart=true`) when it differs (TiC-CLIP: 10,000 of 20,500 steps, then 2,000)
+    warmup_first: float | None = None
     optimizer: str = "adamw"  # adamw | lamb (timm's LAMB: IncCLIP trains with it)
     beta1: float = 0.9
     beta2: float = 0.98
@@ -70,6 +73,10 @@ class TrainConfig:
             raise CvlError(f"--skip-nonfinite must be >= 0, got {self.skip_nonfinite}")
         if self.workers < -1:
             raise CvlError(f"--workers must be -1 (auto), 0 or positive, got {self.workers}")
+        for k in ("warmup", "warmup_first"):
+            v = getattr(self, k)
+            if v is not None and v < 0:
+                raise CvlError(f"--{k.replace('_', '-')} must be >= 0, got {v}")
         if self.lr <= 0:
             raise CvlError(f"--lr must be positive, got {self.lr}")
         if self.model not in ("clip", "fusion"):
@@ -121,6 +128,13 @@ class TrainConfig:
                 )
         elif self.buffer_size <= 0:
             raise CvlError(f"--buffer {self.buffer} needs a positive --buffer-size")
+
+    def for_task(self, from_initial: bool) -> TrainConfig:
+        """The config a task trains with: `warmup_first` as its warm-up when the task starts
+        from the initial weights (the first task, or a method that restarts every task)."""
+        if from_initial and self.warmup_first is not None:
+            return dataclasses.replace(self, warmup=self.warmup_first)
+        return self
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -213,7 +227,17 @@ def parse_method_args(
 # Result-changing keys a `--force` resume may change in the middle of a task: the optimizer's
 # and the schedule's settings, applied from the resumed step on (the optimizer's moments and
 # the step count carry on). Any other change needs the task to start again (delete last/).
-MIDTASK_KEYS = {"lr", "min_lr", "warmup", "weight_decay", "beta1", "beta2", "eps", "grad_clip"}
+MIDTASK_KEYS = {
+    "lr",
+    "min_lr",
+    "warmup",
+    "warmup_first",
+    "weight_decay",
+    "beta1",
+    "beta2",
+    "eps",
+    "grad_clip",
+}
 
 
 def config_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:

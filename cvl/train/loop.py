@@ -174,6 +174,7 @@ class Trainer(RunFolder, NonFiniteGuards):
         self._entries: dict[str, list] = {}
         self._prev_cache: tuple[int, Any] | None = None
         self._reducer = GradReducer()  # gradients averaged over ranks during the backward
+        self.task_cfg = cfg  # the task's config (`TrainConfig.for_task`: --warmup-first)
 
     # -- setup -------------------------------------------------------------------------------
 
@@ -339,7 +340,7 @@ class Trainer(RunFolder, NonFiniteGuards):
         return ps + [p for p in self.method.extra_parameters() if p.requires_grad]
 
     def _optimizer(self, steps: int):
-        opt, sched = optimizer_with_schedule(self._params(), self.cfg, steps)
+        opt, sched = optimizer_with_schedule(self._params(), self.task_cfg, steps)
         self._opt = self.acc.prepare_optimizer(opt, device_placement=False)
         return self._opt, sched
 
@@ -347,6 +348,8 @@ class Trainer(RunFolder, NonFiniteGuards):
         cfg, acc = self.cfg, self.acc
         name = self.order[ti]
         ctx.task_index, ctx.task_name, ctx.resuming = ti, name, pos is not None
+        restarts = getattr(self.method, "restarts", False)  # joint restart=true: from θ_0
+        self.task_cfg = ctx.config = cfg.for_task(ti == 0 or restarts)  # --warmup-first
         ctx.task_entries = self.entries_of(name)
         ctx.epoch = ctx.step = 0
         self._log_path = self.out / "logs" / f"{ti:02d}-{name}.jsonl"

@@ -295,7 +295,7 @@ class RunFolder:
 
         if not (getattr(self, "_forced", set()) & MIDTASK_KEYS):
             return
-        fresh, fresh_sched = optimizer_with_schedule(self._params(), self.cfg, total)
+        fresh, fresh_sched = optimizer_with_schedule(self._params(), self.task_cfg, total)
         for g, f in zip(opt.param_groups, fresh.param_groups):
             g.update({k: v for k, v in f.items() if k != "params"})
         sched.base_lrs = list(fresh_sched.base_lrs)

@@ -181,8 +181,8 @@ def test_cumulative_equal_splits_the_budget_among_past_steps():
 def test_cumulative_all_keeps_every_past_pair_in_order():
     b, after = _fill("cumulative-all", 0, {"2016": 5, "2017": 3})
     assert after[-1] == {
-        "2016": [(f"/s/2016.tar", f"2016-{i}") for i in range(5)],
-        "2017": [(f"/s/2017.tar", f"2017-{i}") for i in range(3)],
+        "2016": [("/s/2016.tar", f"2016-{i}") for i in range(5)],
+        "2017": [("/s/2017.tar", f"2017-{i}") for i in range(3)],
     }
     assert len(b) == 8 and b.unbounded
 

@@ -44,6 +44,7 @@ from cvl.streams.pipeline import (
     clean_text,
     has_surrogates,
 )
+from cvl.streams.timesplit import time_options, time_spec
 from cvl.streams.writer import BuildReport
 
 FORMATS = ("csv", "tsv", "jsonl", "json", "parquet")
@@ -310,6 +311,14 @@ def image_ref(value: Any, root: Path) -> tuple[str | None, str | None]:
     return None, str(p if p.is_absolute() else root / p)
 
 
+def json_safe(v: Any) -> Any:
+    """A cell as a JSON value for KEY.json (dates from parquet as ISO strings)."""
+    if v is None or isinstance(v, (str, int, float, bool)):
+        return v
+    iso = getattr(v, "isoformat", None)
+    return iso() if callable(iso) else str(v)
+
+
 def parse_split(v: Any) -> str | None:
     s = (clean_text(v) or "").lower()
     aliases = {"validation": "val", "valid": "val", "dev": "val", "training": "train"}
@@ -337,8 +346,12 @@ def build_table(
     limit_per_task: int | None = None,
     task_name: str = "all",
     source: str = "table",
+    time: dict[str, Any] | None = None,
 ) -> Manifest:
-    """`cvl build-stream table`: a stream from any image-text table (see the module docstring)."""
+    """`cvl build-stream table`: a stream from any image-text table (see the module docstring).
+
+    `time` (keys of `TimeSplit`, with `column`): one task per period of a date column
+    (`cvl.streams.timesplit`), instead of a task column or chunks."""
     paths = [require_file(p, "--input") for p in inputs]
     if not paths:
         raise CvlError("--input: give at least one file")
@@ -351,6 +364,7 @@ def build_table(
         "category": category_col,
         "id": id_col,
         "split": split_col,
+        "time": (time or {}).get("column"),
     }
     multi = len(paths) > 1
 
@@ -399,6 +413,8 @@ def build_table(
                 row.task = clean_text(get(rec, task_col))
             if category_col:
                 row.category = clean_text(get(rec, category_col))
+            if cols["time"]:  # the raw date; the time split reads (and counts) it
+                row.meta[cols["time"]] = json_safe(get(rec, cols["time"]))
             if split_col:
                 s = parse_split(get(rec, split_col))
                 if s is None:
@@ -410,19 +426,27 @@ def build_table(
 
         return parse
 
+    if time is not None:
+        clash = [o for o, v in (("--task-col", task_col), ("--split-col", split_col)) if v]
+        clash += ["--sample"] if sample is not None else []
+        clash += ["--chunks"] if chunks != 1 else []
+        if clash:
+            raise CvlError(f"--time-col makes one task per period: drop {', '.join(clash)}")
     if task_col and (sample is not None or chunks != 1):
         raise CvlError(
             "--task-col gives the tasks: use --limit-per-task instead of --sample/--chunks"
         )
-    if not task_col and limit_per_task is not None:
-        raise CvlError("--limit-per-task needs --task-col (without it, use --sample)")
+    if not (task_col or time) and limit_per_task is not None:
+        raise CvlError("--limit-per-task needs --task-col or --time-col (else use --sample)")
     if no_header:
         for c in (url_col, caption_col, task_col, category_col, id_col, split_col):
             if c is not None and not str(c).isdigit():
                 raise CvlError(f"--no-header: columns are numbers (0, 1, ...), got '{c}'")
     presplit = split_col is not None
     # a seeded sample at read time only where the split rule takes exactly that many rows
-    need = None if (task_col or presplit or sample is None) else sample + chunks * (val + test)
+    need = (
+        None if (task_col or time or presplit or sample is None) else sample + chunks * (val + test)
+    )
     sources = []
     for fi, path in enumerate(paths):
         f = sniff_format(path, fmt)
@@ -440,7 +464,21 @@ def build_table(
         records, parse, drop, report, sample=need, seed=opts.seed, progress=opts.progress
     )
     rule: SplitRule
-    if task_col:
+    if time is not None:
+        from cvl.streams.timesplit import Periods, TimeSplit, load_eval_ids
+
+        t = dict(time)
+        rule = TimeSplit(
+            t.pop("column"),
+            Periods.make(t.pop("unit", "year"), t.pop("cuts", None)),
+            eval_ids=load_eval_ids(t.pop("eval_ids")) if t.get("eval_ids") else None,
+            test=test,
+            val=val,
+            limit=limit_per_task,
+            seed=opts.seed,
+            **{k: v for k, v in t.items() if k != "eval_ids"},
+        )
+    elif task_col:
         rule = ColumnSplit(
             f"value of column '{task_col}'",
             limit=limit_per_task,
@@ -461,6 +499,7 @@ def build_table(
         "val": val,
         "test": test,
         "limit_per_task": limit_per_task,
+        **({"time": {k: v for k, v in time.items() if v is not None}} if time else {}),
     }
     return build_stream(rows, rule, opts, source=source, report=report, drop=drop, source_args=args)
 
@@ -510,6 +549,7 @@ def build_table(
     callback=positive,
     help="With --task-col: at most N training pairs per task (seeded).",
 )
+@time_options
 @split_options(1)
 @common_options
 def table_cmd(
@@ -539,7 +579,12 @@ def table_cmd(
     change); without it --chunks seeded random chunks. See datasets/README.md.
       cvl build-stream table --input pairs.csv --url-col image --caption-col text \\
           --task-col domain --test 500 --out streams/mine
+    Time-ordered (TiC-CLIP): one task per year, 2014-2016 merged, 1000 retrieval pairs a year:
+      cvl build-stream table --input meta.parquet --id-col uid --url-col url \\
+          --caption-col caption --time-col timestamp --first-until 2016 --until 2022 \\
+          --test 1000 --out streams/tic
     """
+    time = time_spec(kw)
 
     opts = build_options(kw)
     m = build_table(
@@ -560,5 +605,6 @@ def table_cmd(
         test=test,
         limit_per_task=limit_per_task,
         task_name=task_name,
+        time=time,
     )
     finish(m, str(opts.out), quiet=not opts.progress)

@@ -17,6 +17,7 @@ from cvl import __version__
 from cvl.evaluation import continual
 from cvl.evaluation.checkpoint import pairs_set, zs_templates_name
 from cvl.evaluation.options import PRECISION_NOTES, EvalOptions
+from cvl.evaluation.transfer import tic_table
 
 if TYPE_CHECKING:
     from cvl.evaluation.runner import Checkpoint
@@ -150,6 +151,8 @@ def build_metrics(
         "so_far_vs_final": sofar,
         "final": final,
         "benchmarks": benchmark_tables(manifest, cks, results),
+        # TiC-CLIP's ID / backward / forward transfer on the per-period retrieval sets
+        "tic": tic_table(manifest, [(c.label, c.task) for c in cks], results),
         "folders": {
             c.label: results[c.label].get("folders", {})
             for c in cks

@@ -163,3 +163,37 @@ def test_time_col_refuses_other_splits(tmp_path):
             caption_col="caption",
             time={"column": "date", "first_until": "2010"},
         )
+
+
+def test_time_split_of_webdataset_shards(tmp_path):
+    """img2dataset's output (KEY.jpg / KEY.txt / KEY.json with its saved columns) as the source:
+    the images are read from the shard, the date from KEY.json; a sample with no date is counted."""
+    import io
+
+    import webdataset as wds
+
+    shard = tmp_path / "00000.tar"
+    with wds.TarWriter(str(shard)) as w:
+        for i, ts in enumerate(["2015-03-01", "2015-06-01", "2016-01-02", "2016-02-02", None]):
+            buf = io.BytesIO()
+            Image.new("RGB", (20, 20), (200, 10 * i, 40)).save(buf, format="JPEG")
+            meta = {"uid": f"u{i}", "url": f"http://x/{i}.jpg", "status": "success"}
+            w.write(
+                {"__key__": f"{i:09d}", "jpg": buf.getvalue(), "txt": f"pic {i}"}
+                | {"json": json.dumps(meta | ({"timestamp": ts} if ts else {})).encode()}
+            )
+    out = tmp_path / "s"
+    argv = ["build-stream", "table", "--input", str(shard), "--url-col", "jpg", "--caption-col"]
+    argv += ["txt", "--id-col", "uid", "--time-col", "timestamp", "--test", "1", "--quiet"]
+    assert main([*argv, "--out", str(out)]) in (0, None)
+    m = load_manifest(out)
+    assert m.task_order == ["2015", "2016"] and [m.tasks[t].train.count for t in m.task_order] == [
+        1,
+        1,
+    ]
+    rep = json.loads((out / "build_report.json").read_text())
+    assert rep["dropped"] == {"missing_date": 1} and "download" not in rep  # nothing fetched
+    from cvl.data.reader import PairDataset
+
+    ((_, cap, meta),) = [PairDataset.from_shards(m.train_shards("2016")).read_raw(0)]
+    assert cap.startswith("pic ") and meta["timestamp"].startswith("2016")

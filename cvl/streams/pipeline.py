@@ -72,12 +72,14 @@ class Row:
     captions: list[str] | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     blob: tuple[str, int, int] | None = None  # (file, offset, length) of a base64 image (EC TSV)
+    member: tuple[str, int, int] | None = None  # (file, offset, length) of image bytes (a tar)
     root: str | None = None  # the image root `path` must resolve inside (else outside_root)
 
     @property
     def where(self) -> str:
-        if self.blob:
-            return f"{Path(self.blob[0]).name}@{self.blob[1]}"
+        if self.blob or self.member:
+            f, off, _ = self.blob or self.member  # type: ignore[misc]
+            return f"{Path(f).name}@{off}"
         return self.url or self.path or ""
 
 
@@ -171,7 +173,7 @@ def validate_rows(rows: Iterable[Row], drop: Dropper) -> list[Row]:
         if any(has_surrogates(t) for t in texts):
             drop("non_utf8", r, detail="caption/category is not valid UTF-8")
             continue
-        if not r.url and not r.path and not r.blob:
+        if not r.url and not r.path and not r.blob and not r.member:
             drop("missing_image", r, detail="no url or image path")
             continue
         if r.url and not r.path and not re.match(r"^https?://", r.url, re.I):
@@ -571,6 +573,8 @@ def _image_plan(
             plan[i] = ("file", r.path)
         elif r.blob:
             plan[i] = ("b64", *r.blob)
+        elif r.member:  # an image inside a webdataset / img2dataset shard: resized as a file
+            plan[i] = ("raw", *r.member)
         else:
             url_rows.setdefault(r.url or "", []).append(i)
     if url_rows:
@@ -609,6 +613,9 @@ def _load(item: tuple, image: ImageOptions) -> tuple[bytes | None, str | None]:
         return process_local(item[1], image)
     if item[0] == "b64":
         return _load_b64(item[1], item[2], item[3], image)
+    if item[0] == "raw":
+        data, err = _read(item[1], item[2], item[3])
+        return (None, err) if data is None else process_bytes(data, image)
     _, tar, off, size = item
     try:
         with open(tar, "rb") as f:
@@ -616,6 +623,16 @@ def _load(item: tuple, image: ImageOptions) -> tuple[bytes | None, str | None]:
             return f.read(size), None
     except OSError as e:
         return None, f"cannot read cached image: {e}"
+
+
+def _read(path: str, off: int, size: int) -> tuple[bytes | None, str | None]:
+    """`size` bytes at `off` of a file (an image member of a tar)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(off)
+            return f.read(size), None
+    except OSError as e:
+        return None, f"cannot read {path}: {e.strerror or e}"
 
 
 def _load_b64(
@@ -643,7 +660,7 @@ def _load_star(args: tuple) -> tuple[bytes | None, str | None]:
 
 def _images(items: list[tuple], image: ImageOptions, processes: int) -> Iterator[tuple]:
     """Image bytes for each plan item, in order (local files resized in a pool if processes>1)."""
-    n_local = sum(1 for it in items if it[0] in ("file", "b64"))
+    n_local = sum(1 for it in items if it[0] in ("file", "b64", "raw"))
     if processes > 1 and n_local > 256:
         import multiprocessing as mp
 

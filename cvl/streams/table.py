@@ -10,7 +10,10 @@ which records are usable, pass 2 parses the chosen ones), so a 12M-line CC12M fi
 in memory as rows.
 
 `build_table` is the generic source ``cvl build-stream table``: any table with an image URL or
-path column and a caption column, optional task / category / id / split columns.
+path column and a caption column, optional task / category / id / split columns. A webdataset
+shard (``.tar``, e.g. img2dataset's output) is a table too: one record per sample with its
+KEY.json fields, ``txt`` and the image member (read from the shard, resized like a file), so
+downloaded shards are re-split (by a date column: `cvl.streams.timesplit`) without fetching.
 """
 
 from __future__ import annotations
@@ -47,7 +50,8 @@ from cvl.streams.pipeline import (
 from cvl.streams.timesplit import time_options, time_spec
 from cvl.streams.writer import BuildReport
 
-FORMATS = ("csv", "tsv", "jsonl", "json", "parquet")
+FORMATS = ("csv", "tsv", "jsonl", "json", "parquet", "wds")
+IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 _URL = re.compile(r"^https?://", re.I)
 csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
 
@@ -76,6 +80,8 @@ def sniff_format(path: Path, fmt: str | None) -> str:
             return f
     if name.endswith(".tab") or name.endswith(".txt"):
         return "tsv"
+    if name.endswith(".tar"):
+        return "wds"
     raise CvlError(
         f"{path}: cannot tell the format from the name; pass --format ({'|'.join(FORMATS)})"
     )
@@ -217,6 +223,47 @@ def iter_parquet(path: Path) -> Iterator[Record]:
             no += 1
 
 
+def iter_wds(path: Path) -> Iterator[Record]:
+    """Samples of a webdataset shard (img2dataset's output too) as records: KEY.json's fields,
+    `txt` (KEY.txt), each image member as (shard, offset, size) under its extension (`jpg`, ...)
+    and `__key__`; a sample whose KEY.json is not a JSON object is None (malformed_row)."""
+    import tarfile
+
+    try:
+        tf = tarfile.open(path)  # noqa: SIM115 (closed below)
+    except (tarfile.TarError, OSError) as e:
+        raise CvlError(f"{path}: not a readable tar shard ({e})") from None
+    rec: dict | None = None
+    key, no = None, -1
+    with tf:
+        for ti in tf:
+            if not ti.isfile():
+                continue
+            base = ti.name.rsplit("/", 1)[-1]
+            k, _, ext = base.partition(".")
+            if k != key:
+                if key is not None:
+                    yield no, rec
+                key, no, rec = k, no + 1, {"__key__": k}
+            if rec is None:
+                continue
+            ext = ext.lower()
+            if ext in IMAGE_EXTS:
+                rec[ext] = (str(path), ti.offset_data, ti.size)
+            elif ext in ("json", "txt"):
+                raw = tf.extractfile(ti).read().decode("utf-8", "surrogateescape")
+                if ext == "txt":
+                    rec["txt"] = raw
+                    continue
+                try:
+                    obj = json.loads(raw)
+                except json.JSONDecodeError:
+                    obj = None
+                rec = {**obj, **rec} if isinstance(obj, dict) else None
+        if key is not None:
+            yield no, rec
+
+
 def iter_table(path: Path, fmt: str, header: bool = True) -> Iterator[Record]:
     if fmt == "csv":
         return iter_csv(path, ",", header)
@@ -226,6 +273,8 @@ def iter_table(path: Path, fmt: str, header: bool = True) -> Iterator[Record]:
         return iter_jsonl(path)
     if fmt == "json":
         return iter_json(path)
+    if fmt == "wds":
+        return iter_wds(path)
     return iter_parquet(path)
 
 
@@ -388,7 +437,9 @@ def build_table(
                     d("malformed_row", where=where)
                 return None
             caption = clean_text(get(rec, cols["caption"]))
-            url, p = image_ref(get(rec, cols["url"]), root)
+            img = get(rec, cols["url"])
+            member = img if isinstance(img, tuple) else None  # an image inside a shard
+            url, p = (None, None) if member else image_ref(img, root)
             rid = get(rec, cols["id"]) if id_col else f"{fi}-{no}" if multi else str(no)
             row = Row(
                 id=str(rid) if rid is not None else "",
@@ -396,12 +447,13 @@ def build_table(
                 url=url,
                 path=p,
                 root=str(root),
+                member=member,
             )
             if caption is None:
                 if d:
                     d("missing_caption", row, where=where)
                 return None
-            if url is None and p is None:
+            if url is None and p is None and member is None:
                 if d:
                     d("missing_image", row, where=where)
                 return None
@@ -512,13 +564,14 @@ def build_table(
     required=True,
     multiple=True,
     type=click.Path(dir_okay=False),
-    help="CSV / TSV / JSONL / JSON / parquet file (.gz ok). Repeatable.",
+    help="CSV / TSV / JSONL / JSON / parquet file (.gz ok), or a webdataset .tar shard "
+    "(img2dataset's output: KEY.json's fields, txt, and the image as --url-col jpg). Repeatable.",
 )
 @click.option(
     "--format",
     "fmt",
     default=None,
-    type=click.Choice(["csv", "tsv", "jsonl", "json", "parquet"]),
+    type=click.Choice(list(FORMATS)),
     help="File format [from the extension].",
 )
 @click.option("--url-col", required=True, help="Column with an image URL or a local path.")

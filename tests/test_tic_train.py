@@ -18,6 +18,7 @@ from reliability_helpers import (
     kill_when,
     log_lines,
     train_argv,
+    trained_methods,
 )
 from safetensors.torch import load_file
 from train_helpers import FAST, train_run
@@ -120,3 +121,63 @@ def test_killed_run_with_a_cumulative_policy_resumes_bitwise(extra, tiny, tmp_pa
     assert not (tmp_path / "cut" / "tasks" / "01-t1").exists()
     cli(argv(tmp_path / "cut"))
     assert assert_same_run(tmp_path / "whole", tmp_path / "cut") == 3
+
+
+# -- every method, buffer, --tune mode and --budget on a time-ordered stream --------------------
+@pytest.fixture(scope="module")
+def drifting(tmp_path_factory):
+    """A drifting synthetic stream: 3 tasks, the first merging 2 yearly periods."""
+    from cvl.streams.synthetic_time import TimeSpec, build_synthetic_time
+
+    out = tmp_path_factory.mktemp("tic") / "drift"
+    spec = TimeSpec(tasks=3, first_periods=2, per_period=16, test_per_period=4, val_per_task=4)
+    build_synthetic_time(out, spec, progress=False)
+    return out
+
+
+def _with_buffer(args: list[str], buffer: str) -> list[str]:
+    """`args` with its replay buffer replaced by (or, without one, added as) `buffer`."""
+    if "--buffer" in args:
+        i = args.index("--buffer")
+        args = args[:i] + args[i + 4 :]
+    size = [] if buffer == "cumulative-all" else ["--buffer-size", "8"]
+    return [*args, "--buffer", buffer, *size]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", trained_methods())
+def test_every_method_trains_on_a_time_ordered_stream_with_a_cumulative_buffer(
+    method, drifting, tmp_path
+):
+    """Every registered method, with TiC's Cumulative-Exp buffer (iCaRL and LUCIR keep their
+    herding buffer: it is part of their definition) and a per-step sample budget, trains the
+    drifting stream (2 steps a task) and evaluates to a TiC table."""
+    argv = train_argv(drifting, tmp_path / "r", method)
+    if getattr(get_method(method), "buffer_hint", None) != "mof":
+        argv = _with_buffer(argv, "cumulative-exp")
+    argv[argv.index("--max-steps-per-task") + 1] = "2"
+    cli([*argv, "--budget", "samples=16/task"])
+    done = finished_tasks(tmp_path / "r")
+    assert [c.name for c in done][-1] == "2016"
+    cli(
+        [
+            "eval",
+            "--run",
+            str(tmp_path / "r"),
+            "--no-probe",
+            "--no-zeroshot",
+            "--no-plots",
+            "--quiet",
+        ]
+    )
+    tic = json.loads((tmp_path / "r" / "eval" / "metrics.json").read_text())["tic"]
+    assert tic["periods"] == ["2014", "2015", "2016"] and tic["id"] is not None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tune", ["lora", "bitfit", "locked-text"])
+@pytest.mark.parametrize("buffer", ["cumulative-all", "cumulative-equal"])
+def test_tune_modes_with_cumulative_buffers(tune, buffer, drifting, tmp_path):
+    argv = train_argv(drifting, tmp_path / "r", "lwf") + ["--tune", tune]
+    cli(_with_buffer(argv, buffer) + ["--budget", "samples=16/task"])
+    assert len(finished_tasks(tmp_path / "r")) == 3

@@ -158,7 +158,7 @@ def test_every_method_trains_on_a_time_ordered_stream_with_a_cumulative_buffer(
     argv[argv.index("--max-steps-per-task") + 1] = "2"
     cli([*argv, "--budget", "samples=16/task"])
     done = finished_tasks(tmp_path / "r")
-    assert [c.name for c in done][-1] == "2016"
+    assert [c.name for c in done][-1] == "2017"
     cli(
         [
             "eval",
@@ -171,7 +171,7 @@ def test_every_method_trains_on_a_time_ordered_stream_with_a_cumulative_buffer(
         ]
     )
     tic = json.loads((tmp_path / "r" / "eval" / "metrics.json").read_text())["tic"]
-    assert tic["periods"] == ["2014", "2015", "2016"] and tic["id"] is not None
+    assert tic["periods"] == ["2014", "2015", "2016", "2017"] and tic["id"] is not None
 
 
 @pytest.mark.slow

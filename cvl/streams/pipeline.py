@@ -613,26 +613,15 @@ def _load(item: tuple, image: ImageOptions) -> tuple[bytes | None, str | None]:
         return process_local(item[1], image)
     if item[0] == "b64":
         return _load_b64(item[1], item[2], item[3], image)
-    if item[0] == "raw":
-        data, err = _read(item[1], item[2], item[3])
-        return (None, err) if data is None else process_bytes(data, image)
-    _, tar, off, size = item
+    kind, tar, off, size = item
     try:
         with open(tar, "rb") as f:
             f.seek(off)
-            return f.read(size), None
+            data = f.read(size)
     except OSError as e:
-        return None, f"cannot read cached image: {e}"
-
-
-def _read(path: str, off: int, size: int) -> tuple[bytes | None, str | None]:
-    """`size` bytes at `off` of a file (an image member of a tar)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(off)
-            return f.read(size), None
-    except OSError as e:
-        return None, f"cannot read {path}: {e.strerror or e}"
+        return None, f"cannot read {'the shard' if kind == 'raw' else 'cached'} image: {e}"
+    # an image inside a source shard is resized as a file; the cache holds resized images
+    return process_bytes(data, image) if kind == "raw" else (data, None)
 
 
 def _load_b64(

@@ -140,6 +140,12 @@ def test_time_split_quarters_and_options(tmp_path, capsys):
     assert "--first-until: only with --time-col" in capsys.readouterr().err
 
 
+def _ids(tmp_path):
+    f = tmp_path / "ids.json"
+    f.write_text(json.dumps({"2014": ["u0"]}))
+    return f
+
+
 def test_time_col_refuses_other_splits(tmp_path):
     from cvl.streams.pipeline import BuildOptions
     from cvl.streams.table import build_table
@@ -154,6 +160,15 @@ def test_time_col_refuses_other_splits(tmp_path):
             caption_col="caption",
             task_col="uid",
             time={"column": "date"},
+        )
+    with pytest.raises(CvlError, match="drop --test"):
+        build_table(
+            [p],
+            opts,
+            url_col="image",
+            caption_col="caption",
+            test=3,
+            time={"column": "date", "eval_ids": str(_ids(tmp_path))},
         )
     with pytest.raises(CvlError, match="no dated pair up to it"):
         build_table(

@@ -237,6 +237,8 @@ class TimeSplit(SplitRule):
             raise CvlError(
                 f"--time-format must be {', '.join(FORMATS)} or a strptime pattern, got {fmt!r}"
             )
+        if eval_ids is not None and test:
+            raise CvlError("--eval-ids gives the retrieval pairs: drop --test")
         self.column, self.p, self.fmt = column, periods, fmt
         self.first = periods.key_of_label(first_until, "--first-until") if first_until else None
         self.since = periods.key_of_label(since, "--since") if since else None

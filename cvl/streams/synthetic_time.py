@@ -145,7 +145,8 @@ def build_synthetic_time(
     k = spec.first_periods
     groups = [labels[:k]] + [[p] for p in labels[k:]]
     task_periods = {(g[0] if len(g) == 1 else f"{g[0]}-{g[-1]}"): g for g in groups}
-    # units written in order: (split, task, period or None, [(domain index, rng)] per sample)
+    # what is written, in order: (split, task, sub-folder period or None, pairs, the periods
+    # (domain indices) its pairs are drawn from, the unit's generator)
     units: list[tuple[str, str, str | None, int, list[int], np.random.Generator]] = []
     for ti, (task, ps) in enumerate(task_periods.items()):
         idx = [labels.index(p) for p in ps]

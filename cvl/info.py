@@ -55,7 +55,8 @@ def describe_run(path: Path) -> list[str]:
         f"model {cfg.get('model')} ({cfg.get('model_config')}), stream {run.get('stream', {}).get('name', cfg.get('stream'))}",
     ]
     if cfg.get("buffer"):
-        lines.append(f"buffer {cfg['buffer']} size {cfg.get('buffer_size')}")
+        size = cfg.get("buffer_size")
+        lines.append(f"buffer {cfg['buffer']} " + (f"size {size}" if size else "(no size limit)"))
     tu = run.get("tuning")
     if tu:  # runs from before --tune have none (every parameter trained)
         args = ", ".join(f"{k} {v}" for k, v in (tu.get("args") or {}).items())

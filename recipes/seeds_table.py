@@ -6,8 +6,11 @@ final model's Rm and TR@1 (last row of the R matrix), forgetting (mean over task
 max earlier R - final R), IncCLIP's BWT, the final model's Rm on the merged test set of all
 tasks (CTP protocol) and its Rm on task 0. With `--cost`, also what each run cost to train
 (run.json "cost", `cvl.train.cost`): total TFLOPs (training steps + extras) and optimizer steps.
+With `--tic` (time-ordered streams, `recipes/tic.sh`): TiC-CLIP's in-distribution, backward and
+forward transfer (metrics.json "tic", mR@1 on the per-period retrieval sets), the final model's
+mR@1 averaged over all periods, then the cost columns.
 
-    .venv/bin/python recipes/seeds_table.py ROOT seqft,joint,er,modx,... [--cost]
+    .venv/bin/python recipes/seeds_table.py ROOT seqft,joint,er,modx,... [--cost] [--tic]
 """
 
 from __future__ import annotations
@@ -29,6 +32,19 @@ COLUMNS = (
 
 
 COST_COLUMNS = ("TFLOPs", "steps")
+TIC_COLUMNS = ("ID", "backward", "forward", "final, all periods")
+
+
+def tic(m: dict) -> dict[str, float | None]:
+    """TiC-CLIP's summary of one metrics.json (None where the stream has no time layout)."""
+    t = m.get("tic") or {}
+    last = [v for v in (t.get("matrix") or [[]])[-1] if v is not None]
+    return {
+        "ID": t.get("id"),
+        "backward": t.get("backward"),
+        "forward": t.get("forward"),
+        "final, all periods": statistics.mean(last) if last else None,
+    }
 
 
 def cost(run: Path) -> dict[str, float | None]:
@@ -66,14 +82,16 @@ def cell(xs: list[float], digits: int = 1) -> str:
     return f"{statistics.mean(xs):.{digits}f} ± {statistics.stdev(xs):.{digits}f}"
 
 
-def main(root: str, runs: str, with_cost: bool = False) -> None:
+def main(root: str, runs: str, with_cost: bool = False, with_tic: bool = False) -> None:
     seeds = sorted(p for p in Path(root).glob("s[0-9]*") if p.is_dir())
-    cols = COLUMNS + (COST_COLUMNS if with_cost else ())
+    with_cost = with_cost or with_tic
+    cols = (TIC_COLUMNS if with_tic else COLUMNS) + (COST_COLUMNS if with_cost else ())
+    summary = tic if with_tic else headline
     print("| run | seeds | " + " | ".join(cols) + " |")
     print("|---|---|" + "---|" * len(cols))
     for run in runs.split(","):
         rows = [
-            {**headline(json.loads(f.read_text())), **(cost(f.parent.parent) if with_cost else {})}
+            {**summary(json.loads(f.read_text())), **(cost(f.parent.parent) if with_cost else {})}
             for s in seeds
             for f in (s / run / "eval" / "metrics.json", s / "runs" / run / "eval" / "metrics.json")
             if f.is_file()
@@ -86,7 +104,7 @@ def main(root: str, runs: str, with_cost: bool = False) -> None:
 
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if a != "--cost"]
+    args = [a for a in sys.argv[1:] if a not in ("--cost", "--tic")]
     if len(args) != 2:
         sys.exit(__doc__)
-    main(args[0], args[1], with_cost="--cost" in sys.argv[1:])
+    main(args[0], args[1], with_cost="--cost" in sys.argv[1:], with_tic="--tic" in sys.argv[1:])

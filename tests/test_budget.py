@@ -40,6 +40,7 @@ from cvl.train.budget import (
     parse_budget,
     task_share,
 )
+from cvl.train.cli import BUFFER_CHOICES
 
 
 def _task_json(run, i: int) -> dict:
@@ -76,6 +77,9 @@ def test_shares_follow_task_sizes():
     per = Budget("tflops", 2.0, True, "tflops=2/task")
     assert task_share(per, counts, 1, 3, False) == 2.0
     assert task_share(per, {2: 400}, 2, 3, True) == 6.0  # joint stands for the 3 tasks
+    # TiC's Oracle (joint restart=true): task t stands for tasks 0..t
+    assert [task_share(per, counts, i, 3, False, seen=True) for i in range(3)] == [2.0, 4.0, 6.0]
+    assert [task_share(b, counts, i, 3, False, seen=True) for i in range(3)] == [5.0, 7.5, 10.0]
     assert derive_steps(6.0, 1.0, 10) == (6, 6)  # exact multiples are not lost to rounding
     assert derive_steps(6.0, 1.0, 4) == (6, 4)  # capped by the epochs
     assert derive_steps(0.5, 1.0, 4) == (1, 1)  # less than one step: one
@@ -377,12 +381,12 @@ def test_every_method_trains_under_a_budget_as_without(method, tiny, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("buffer", ["reservoir", "ring", "kmeans", "mof"])
+@pytest.mark.parametrize("buffer", BUFFER_CHOICES)
 @pytest.mark.parametrize("method", ["seqft", "lwf"])
 def test_every_buffer_trains_under_a_budget_as_without(method, buffer, tiny, tmp_path):
     """The same with each replay buffer (its state is part of what the probes restore; the
     end-of-task probe runs its update)."""
-    extra = ["--buffer", buffer, "--buffer-size", "8"]
+    extra = ["--buffer", buffer] + ([] if buffer == "cumulative-all" else ["--buffer-size", "8"])
     cli(train_argv(tiny, tmp_path / "plain", method) + extra)
     cli(train_argv(tiny, tmp_path / "budget", method) + extra + ["--budget", "maf=1000"])
     assert_same_run_but_budget(tmp_path / "plain", tmp_path / "budget")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
 from cvl.data.reader import Entry
 from cvl.methods.buffers import build_buffer, quotas_by_size
@@ -112,3 +113,114 @@ def test_state_round_trip():
     b.update("b", _entries("b", 9), _ctx())
     c.update("b", _entries("b", 9), _ctx())
     assert b.items == c.items
+
+
+# -- TiC-CLIP's cumulative policies (hand-made time steps) -------------------------------------
+def _fill(name: str, size: int, sizes: dict[str, int], seed: int = 0):
+    """The buffer after each step (task name = period), as {period: items kept}."""
+    b = build_buffer(name, size, seed, None)
+    after = []
+    for t, n in sizes.items():
+        b.update(t, _entries(t, n), _ctx())
+        after.append({k: list(v) for k, v in b.items.items()})
+    return b, after
+
+
+def _counts(after):
+    return [{t: len(v) for t, v in a.items()} for a in after]
+
+
+def _nested(after):
+    """Every period's items after step s+1 are a subset of what it held after step s."""
+    for prev, cur in zip(after, after[1:]):
+        for t, items in cur.items():
+            if t in prev:
+                assert set(items) <= set(prev[t]), t
+
+
+YEARS = {"2016": 40, "2017": 40, "2018": 40, "2019": 40, "2020": 40}
+
+
+def test_cumulative_exp_halves_old_steps_per_step():
+    """TiC: 'at the 3rd step it retains D/2, D/2 of old data and at the 4th D/2, D/4, D/4'
+    (the buffer after step t is what step t+1 replays); D = 8."""
+    _, after = _fill("cumulative-exp", 8, YEARS)
+    assert _counts(after) == [
+        {"2016": 8},
+        {"2016": 4, "2017": 4},  # replayed at the 3rd step
+        {"2016": 2, "2017": 2, "2018": 4},  # at the 4th: D/4, D/4, D/2
+        {"2016": 1, "2017": 1, "2018": 2, "2019": 4},
+        {"2016": 0, "2017": 0, "2018": 1, "2019": 2, "2020": 5},  # ⌊½⌋ lost to the newest
+    ]
+    _nested(after)
+    _, odd = _fill("cumulative-exp", 10, YEARS)  # rounding: old ⌊half⌋, the newest the rest
+    assert _counts(odd)[:3] == [
+        {"2016": 10},
+        {"2016": 5, "2017": 5},
+        {"2016": 2, "2017": 2, "2018": 6},
+    ]
+    assert all(sum(c.values()) == 10 for c in _counts(odd))
+
+
+def test_cumulative_equal_splits_the_budget_among_past_steps():
+    """TiC: 'at the 4th step it retains D/3, D/3, D/3'; the remainder goes to the newest."""
+    _, after = _fill("cumulative-equal", 9, YEARS)
+    assert _counts(after) == [
+        {"2016": 9},
+        {"2016": 4, "2017": 5},
+        {"2016": 3, "2017": 3, "2018": 3},
+        {"2016": 2, "2017": 2, "2018": 2, "2019": 3},
+        {"2016": 1, "2017": 1, "2018": 1, "2019": 1, "2020": 5},
+    ]
+    _nested(after)
+    # a step with less data than its share keeps all it has
+    _, small = _fill("cumulative-equal", 9, {"a": 40, "b": 2})
+    assert _counts(small)[-1] == {"a": 4, "b": 2}
+
+
+def test_cumulative_all_keeps_every_past_pair_in_order():
+    b, after = _fill("cumulative-all", 0, {"2016": 5, "2017": 3})
+    assert after[-1] == {
+        "2016": [("/s/2016.tar", f"2016-{i}") for i in range(5)],
+        "2017": [("/s/2017.tar", f"2017-{i}") for i in range(3)],
+    }
+    assert len(b) == 8 and b.unbounded
+
+
+def test_ring_is_unchanged_by_the_quota_base():
+    """DHA's ring keeps ⌊|M|/t⌋ per task (the remainder unused), the same draws as before."""
+    _, after = _fill("ring", 9, YEARS)
+    assert _counts(after)[1] == {"2016": 4, "2017": 4}
+    assert _counts(after)[4] == dict.fromkeys(YEARS, 1)
+
+
+@pytest.mark.parametrize("name", ["cumulative-all", "cumulative-equal", "cumulative-exp"])
+def test_cumulative_state_round_trip(name):
+    size = 0 if name == "cumulative-all" else 6
+    b, _ = _fill(name, size, {"a": 9, "b": 9})
+    c = build_buffer(name, size, 0, None)
+    c.load_state_dict(b.state_dict())
+    b.update("c", _entries("c", 9), _ctx())
+    c.update("c", _entries("c", 9), _ctx())
+    assert b.items == c.items
+
+
+def test_buffer_choices_of_the_cli_are_the_registry():
+    from cvl.methods.buffers import buffer_names
+    from cvl.train.cli import BUFFER_CHOICES
+
+    assert sorted(BUFFER_CHOICES) == sorted(buffer_names())
+
+
+def test_buffer_size_rules():
+    from cvl.errors import CvlError
+    from cvl.train.config import TrainConfig
+
+    base = dict(stream="s", out="o")
+    TrainConfig(**base, buffer="cumulative-all").validate()
+    with pytest.raises(CvlError, match="takes no --buffer-size"):
+        TrainConfig(**base, buffer="cumulative-all", buffer_size=5).validate()
+    with pytest.raises(CvlError, match="needs a positive --buffer-size"):
+        TrainConfig(**base, buffer="cumulative-exp").validate()
+    with pytest.raises(CvlError, match="unknown buffer 'nope'"):
+        TrainConfig(**base, buffer="nope", buffer_size=3).validate()

@@ -343,6 +343,38 @@ def test_table_errors(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+def test_tic_datacomp_metadata_time_split(tmp_path, image_server, prefetched):  # noqa: F811
+    """TiC-DataComp's real format (uid, url, caption, timestamp; TiC's year -> retrieval uids
+    JSON): 2014-2016 merged, one task a year to 2022 = 7 training tasks against 9 yearly
+    retrieval sets (the uids of the JSON); 2023, a missing and an unreadable date dropped."""
+    src = copy_fixture("tic-datacomp", tmp_path / "fx", image_server.base)
+    out = tmp_path / "tic"
+    argv = ["table", "--input", str(src / "metadata.csv"), "--id-col", "uid", "--url-col", "url"]
+    argv += ["--caption-col", "caption", "--time-col", "timestamp", "--first-until", "2016"]
+    argv += ["--until", "2022", "--eval-ids", str(src / "retrieval_evals_year2uids.json")]
+    assert run(*argv, "--out", str(out), *cached(prefetched)) == 0
+    m = load_manifest(out)
+    years = [str(y) for y in range(2014, 2023)]
+    assert m.task_order == ["2014-2016", *years[3:]] and len(m.task_order) == 7
+    assert m.time["periods"] == years and list(m.benchmarks) == [f"ret-{y}" for y in years]
+    assert [m.tasks[t].train.count for t in m.task_order] == [9, 3, 3, 3, 3, 3, 3]
+    evals = json.loads((src / "retrieval_evals_year2uids.json").read_text())
+    for y in years:
+        (s,) = all_samples_of(m.benchmark_shards(f"ret-{y}"))
+        assert s["id"] == evals[y][0] and s["period"] == y
+    rep = report(out)
+    assert rep["dropped"] == {"after_until": 1, "missing_date": 1, "bad_date": 1}
+    assert rep["time"]["periods"]["2015"] == {"task": "2014-2016", "train": 3, "val": 0, "test": 1}
+
+
+def all_samples_of(shards: list) -> list[dict]:
+    import webdataset as wds
+
+    return [
+        json.loads(x["json"]) for sh in shards for x in wds.WebDataset(str(sh), shardshuffle=False)
+    ]
+
+
 @pytest.mark.parametrize("src", ["cc12m", "cc3m"])
 def test_cc_missing_file(tmp_path, src):
     assert run(src, "--tsv", str(tmp_path / "none.tsv"), "--out", str(tmp_path / "o")) == 2

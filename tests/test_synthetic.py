@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 
 import pytest
 
@@ -170,3 +171,60 @@ def test_processes_write_the_same_bytes_as_one_process(tmp_path):
     assert _digest(tmp_path / "cli") == _digest(tmp_path / "one")
     with pytest.raises(CvlError, match="processes"):
         build_synthetic(tmp_path / "z", spec, progress=False, processes=0)
+
+
+# -- the time mode (a drifting, time-ordered stream: TiC-CLIP's protocol in CI) ---------------
+def test_time_mode_periods_drift():
+    """Concepts enter and leave (a moving window, the newest most frequent); colour and size
+    words take newer names (half the captions the period before the switch, all after)."""
+    from cvl.streams.synthetic_time import NEWER_WORDS, TimeSpec, period_domains
+
+    doms = period_domains(TimeSpec(tasks=5, first_periods=3, shapes=4, overlap=2, seed=1))
+    assert len(doms) == 7
+    for prev, cur in zip(doms, doms[1:]):
+        assert cur["shapes"][:2] == prev["shapes"][2:]  # two kept, two new
+        assert cur["weights"] == sorted(cur["weights"]) and sum(cur["weights"]) == pytest.approx(1)
+    assert not set(doms[0]["shapes"]) & set(doms[2]["shapes"])  # the first concepts left
+    for w in NEWER_WORDS:
+        probs = [d["words"][w][1] for d in doms]
+        assert probs == sorted(probs) and probs[0] < 1.0 and probs[-1] == 1.0  # switched by the end
+        assert set(probs) <= {0.0, 0.5, 1.0}
+
+
+def test_time_mode_stream(tmp_path):
+    """5 training tasks, the first 3 periods merged: 7 per-period retrieval benchmarks, the
+    time layout, captions in the period's vocabulary; the same bytes with 2 processes."""
+    from cvl.streams.synthetic_time import TimeSpec, build_synthetic_time
+
+    spec = TimeSpec(tasks=5, first_periods=3, per_period=12, test_per_period=6, val_per_task=4)
+    m = build_synthetic_time(tmp_path / "a", spec, progress=False)
+    years = [str(y) for y in range(2014, 2021)]
+    assert m.task_order == ["2014-2016", "2017", "2018", "2019", "2020"]
+    assert m.time["periods"] == years and m.time["tasks"]["2014-2016"] == years[:3]
+    assert {b: x.shards.count for b, x in m.benchmarks.items()} == {f"ret-{y}": 6 for y in years}
+    assert (
+        m.tasks["2014-2016"].train.count == 36
+        and m.eval_sets["test"].tasks["2014-2016"].count == 18
+    )
+    assert m.eval_sets["val"].tasks["2017"].count == 4 and m.source == "synthetic"
+    rep = json.loads((tmp_path / "a" / "build_report.json").read_text())
+    assert rep["time"]["periods"]["2015"] == {"task": "2014-2016", "train": 12, "val": 0, "test": 6}
+    late = PairDataset.from_shards(m.benchmark_shards("ret-2020"))
+    items = [late.read_raw(i) for i in range(len(late))]
+    assert all(meta["period"] == "2020" for *_, meta in items)
+    new = {"crimson", "emerald", "azure", "golden", "violet", "amber", "ivory", "teal", "huge"}
+    assert any(set(cap.split()) & new for _, cap, _ in items)
+    b = build_synthetic_time(tmp_path / "b", spec, progress=False, processes=2)
+    assert _digest(tmp_path / "a") == _digest(tmp_path / "b") and b.task_order == m.task_order
+
+
+def test_time_mode_cli(tmp_path, capsys):
+    from cvl.cli import main
+
+    out = tmp_path / "s"
+    argv = ["build-stream", "synthetic", "--mode", "time", "--tasks", "3", "--per-task", "8"]
+    assert main([*argv, "--test-per-task", "4", "--out", str(out), "--quiet"]) == 0
+    assert load_manifest(out).task_order == ["2014", "2015", "2016"]
+    assert main([*argv, "--pretrain", "10", "--out", str(tmp_path / "x")]) == 2
+    assert "--pretrain: not in --mode time" in capsys.readouterr().err
+    assert main([*argv[:2], "--first-periods", "2", "--out", str(tmp_path / "y")]) == 2

@@ -18,6 +18,7 @@ from cvl.evaluation import continual
 from cvl.evaluation.checkpoint import pairs_set, zs_templates_name
 from cvl.evaluation.fomo import fomo_summary
 from cvl.evaluation.options import PRECISION_NOTES, EvalOptions
+from cvl.evaluation.transfer import tic_table
 
 if TYPE_CHECKING:
     from cvl.evaluation.runner import Checkpoint
@@ -152,6 +153,8 @@ def build_metrics(
         "so_far_vs_final": sofar,
         "final": final,
         "benchmarks": benchmark_tables(manifest, cks, results),
+        # TiC-CLIP's ID / backward / forward transfer on the per-period retrieval sets
+        "tic": tic_table(manifest, [(c.label, c.task) for c in cks], results),
         "folders": {
             c.label: results[c.label].get("folders", {})
             for c in cks
@@ -192,4 +195,6 @@ def method_label(cfg: dict[str, Any], run: Path) -> str:
     if not m:
         return run.name
     b = cfg.get("buffer")
-    return f"{m}+{b}({cfg.get('buffer_size')})" if b else str(m)
+    if not b:
+        return str(m)
+    return f"{m}+{b}({cfg['buffer_size']})" if cfg.get("buffer_size") else f"{m}+{b}"

@@ -22,6 +22,9 @@ from cvl.evaluation.report import (
     md_table,
     safe_name,
 )
+from cvl.evaluation.transfer import COMPARE_COLS as TIC_COLS
+from cvl.evaluation.transfer import compare_values as tic_values
+from cvl.evaluation.transfer import time_benchmarks
 from cvl.io import write_json
 
 COMPARE_CONTINUAL = [  # (column, metric, continual field, signed)
@@ -56,10 +59,12 @@ def run_cost(m: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def benchmark_names(ms: Sequence[dict[str, Any]]) -> list[str]:
-    """The benchmarks (eval sets of no task) of the runs, in first-seen order."""
+    """The benchmarks (eval sets of no task) of the runs, in first-seen order; not the
+    per-period retrieval sets of a time-ordered stream (summarised by the TiC columns)."""
     names: list[str] = []
     for m in ms:
-        names += [b for b in m.get("benchmarks") or {} if b not in names]
+        skip = time_benchmarks(m)
+        names += [b for b in m.get("benchmarks") or {} if b not in names and b not in skip]
     return names
 
 
@@ -78,6 +83,8 @@ def compare_records(ms: Sequence[dict[str, Any]]) -> tuple[list[str], list[dict[
     headers = ["run", "method", *TABLE1, *(c for c, *_ in COMPARE_CONTINUAL)]
     headers += [c for c, _ in FOMO_COLS]  # FoMo-in-Flux's A_KA, A_ZS, GM (cvl.evaluation.fomo)
     headers += [c for c, *_ in COST_COLS]
+    tic = any(m.get("tic") for m in ms)  # a time-ordered stream: TiC-CLIP's transfer columns
+    headers += [c for c, _ in TIC_COLS] if tic else []
     headers += [f"{b} {k}" for b in bench for k in BENCH_METRICS]
     recs = []
     for m in ms:
@@ -95,6 +102,8 @@ def compare_records(ms: Sequence[dict[str, Any]]) -> tuple[list[str], list[dict[
         cost = run_cost(m)
         for col, key, scale in COST_COLS:
             rec[col] = cost[key] / scale if cost else None
+        if tic:
+            rec.update(tic_values(m))
         recs.append(rec)
     return headers, recs
 
@@ -128,6 +137,12 @@ def render_compare(ms: Sequence[dict[str, Any]]) -> str:
         "Runs side by side: CTP Table-1 metrics of the final model on the merged test set of all "
         "tasks; avg/BWT/forgetting of Rm and DHA FR from the per-task R matrices"
         + more
+        + (
+            "; TiC-CLIP's in-distribution / backward / forward transfer (mR@1 = mean of TR@1 "
+            "and IR@1 on the per-period retrieval sets, mean over the matrix entries of each kind)"
+            if any(m.get("tic") for m in ms)
+            else ""
+        )
         + " (percent); what each run cost to train: total TFLOPs (training steps + extras such as "
         "Fisher passes and buffer selection, summed over processes), peak memory per process, "
         "device-hours (wall time × processes)\n\n" + md_table(headers, rows) + "\n"

@@ -175,7 +175,10 @@ def table_folders(m: dict[str, Any]) -> tuple[list[str], list[list[str]]] | None
 
 def table_benchmarks(m: dict[str, Any]) -> tuple[list[str], list[list[str]]] | None:
     """Each checkpoint on each benchmark (eval sets of no task): TR@1 / IR@1 and Rm."""
-    bs = m.get("benchmarks") or {}
+    from cvl.evaluation.transfer import time_benchmarks
+
+    skip = time_benchmarks(m)  # per-period retrieval sets: the TiC table shows them
+    bs = {k: v for k, v in (m.get("benchmarks") or {}).items() if k not in skip}
     if not bs:
         return None
     labels: list[str] = []
@@ -198,6 +201,8 @@ def table_benchmarks(m: dict[str, Any]) -> tuple[list[str], list[list[str]]] | N
 def sections(
     m: dict[str, Any], full: bool = True
 ) -> list[tuple[str, tuple[list[str], list[list[str]]] | None]]:
+    from cvl.evaluation.transfer import table_tic
+
     n = len(m["rows"])
     out = [
         (
@@ -216,6 +221,12 @@ def sections(
             "FoMo-in-Flux: knowledge accumulation (the tasks: ZS-top1 or R@5), zero-shot "
             "retention (held-out benchmarks and image folders) and their geometric mean",
             table_fomo(m),
+        ),
+        (
+            "Dynamic retrieval (TiC-CLIP): mR@1 of each model on each period's retrieval set "
+            "([ ] = the period it last trained on); in-distribution, backward and forward "
+            "transfer",
+            table_tic(m),
         ),
     ]
     if full:
@@ -310,10 +321,13 @@ def write_csvs(m: dict[str, Any], out: Path) -> list[Path]:
     files.append(
         _write(out / "continual.csv", _csv_bytes(["metric", *(c for c, _ in CONTINUAL_COLS)], rows))
     )
+    from cvl.evaluation.transfer import table_tic
+
     for name, tb in (
         ("table_final.csv", table_final(m)),
         ("so_far_vs_final.csv", table_so_far(m)),
         ("per_task_final.csv", table_dha(m)),
+        ("tic.csv", table_tic(m)),
     ):
         if tb is not None:
             files.append(_write(out / name, _csv_bytes(*tb)))
@@ -346,24 +360,36 @@ def _save_lines(fig: Any, ax: Any, path: Path) -> Path:
 
 
 def plot_heatmap(m: dict[str, Any], key: str, path: Path) -> Path | None:
-    import numpy as np
-
     mat = m["matrices"][key]
     labels = list(m["rows"])
     if m.get("zero_shot_row"):
         mat = [m["zero_shot_row"][key], *mat]
         labels = ["init", *labels]
+    return heatmap_png(mat, labels, m["tasks"], f"{m['run_name']}: {key}", "test set of task", path)
+
+
+def heatmap_png(
+    mat: Sequence[Sequence[float | None]],
+    row_labels: Sequence[str],
+    col_labels: Sequence[str],
+    title: str,
+    xlabel: str,
+    path: Path,
+) -> Path | None:
+    """A matrix (rows: models) as an annotated heatmap PNG; None when nothing was evaluated."""
+    import numpy as np
+
     a = np.array([[np.nan if v is None else v for v in r] for r in mat], dtype=float)
     if np.isnan(a).all():
         return None
     plt = _plt()
     fig, ax = plt.subplots(figsize=(2.8 + 0.75 * a.shape[1], 1.8 + 0.5 * a.shape[0]))
     im = ax.imshow(a, cmap="viridis", vmin=0, vmax=max(1.0, float(np.nanmax(a))))
-    ax.set_xticks(range(a.shape[1]), m["tasks"], rotation=45, ha="right")
-    ax.set_yticks(range(a.shape[0]), labels)
-    ax.set_xlabel("test set of task")
+    ax.set_xticks(range(a.shape[1]), col_labels, rotation=45, ha="right")
+    ax.set_yticks(range(a.shape[0]), row_labels)
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("model after")
-    ax.set_title(f"{m['run_name']}: {key}")
+    ax.set_title(title)
     for i in range(a.shape[0]):
         for j in range(a.shape[1]):
             if not np.isnan(a[i, j]):
@@ -437,6 +463,14 @@ def write_plots(m: dict[str, Any], out: Path) -> list[Path]:
             p = plot_curves(m, k, out / f"curves_{safe_name(k)}.png")
             if p:
                 files.append(p)
+    tic = m.get("tic") or {}
+    if tic.get("matrix"):  # TiC-CLIP's heatmap: each model on each period's retrieval set
+        title = f"{m['run_name']}: {tic['metric']} on each period's retrieval set"
+        p = heatmap_png(
+            tic["matrix"], tic["rows"], tic["periods"], title, "period", out / "heatmap_tic.png"
+        )
+        if p:
+            files.append(p)
     return files
 
 

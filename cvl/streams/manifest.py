@@ -26,7 +26,8 @@ link ``sources[].link``, the symlinks a composed stream keeps in ``sources/``)::
       "benchmarks": {"coco-5k": {"kind": "pairs", "shards": [...], "count": 5000,
                                  "description": "..."}},      # optional
       "sources": [{"name": "coco", "link": "sources/coco", "stream_sha256": "..."}], # optional
-      "class_map": {...}                         # optional: class-incremental streams only
+      "class_map": {...},                        # optional: class-incremental streams only
+      "time": {...}                              # optional: time-ordered streams only
     }
 
 ``benchmarks`` are evaluation sets that belong to no task (DKR Setting-2 trains on EC parts
@@ -40,6 +41,13 @@ before) maps class ids to tasks: ``names[i]`` is the category string of class i 
 samples' KEY.json, ``prompts[i]`` the name put in zero-shot prompts, ``task_of[i]`` the task
 holding class i (null: in no task), ``order`` the seeded class order that was cut into tasks,
 ``labels`` where the labels came from.
+
+``time`` (optional, written by time-ordered builds: `cvl build-stream table --time-col`, the
+synthetic time mode; see `cvl.streams.timesplit`) records the periods in time order (``periods``),
+the periods each task trained on (``tasks``: task -> periods) and, per period, the benchmark
+holding its dynamic retrieval set (``eval``: period -> benchmark name), plus ``unit`` and the
+date ``column``. `cvl eval` derives TiC-CLIP's in-distribution / backward / forward transfer
+from it.
 
 Every sample's KEY.json holds at least ``id``, ``task`` and ``category`` (may be null) and
 optionally ``captions`` (all captions of the image; KEY.txt is the first one).
@@ -133,6 +141,7 @@ class Manifest:
     cvl_version: str = __version__
     root: Path | None = None
     class_map: dict[str, Any] | None = None
+    time: dict[str, Any] | None = None
 
     # -- classes (class-incremental streams) ---------------------------------------------------
     def split_classes(self, tasks: list[str] | None = None) -> list[str]:
@@ -207,6 +216,8 @@ class Manifest:
             d["benchmarks"] = {n: b.to_json() for n, b in self.benchmarks.items()}
         if self.sources:
             d["sources"] = [dict(s) for s in self.sources]
+        if self.time:
+            d["time"] = dict(self.time)
         return d
 
     @property
@@ -339,6 +350,7 @@ def manifest_from_json(d: Any, root: Path | None = None) -> Manifest:
     if not isinstance(sources, list) or not all(isinstance(s, dict) for s in sources):
         raise _err("sources", "must be a list of objects")
     class_map = _class_map(d.get("class_map"), tasks)
+    time = _time(d.get("time"), tasks, benchmarks)
     return Manifest(
         name=name,
         source=source,
@@ -354,6 +366,7 @@ def manifest_from_json(d: Any, root: Path | None = None) -> Manifest:
         cvl_version=str(d.get("cvl_version", "")),
         root=root,
         class_map=class_map,
+        time=time,
     )
 
 
@@ -379,6 +392,31 @@ def _class_map(cm: Any, tasks: dict[str, TaskInfo]) -> dict[str, Any] | None:
     if order is not None and sorted(order) != list(range(len(names))):
         raise _err("class_map.order", "must be a permutation of the class ids")
     return dict(cm)
+
+
+def _time(t: Any, tasks: dict[str, TaskInfo], benchmarks: dict[str, Any]) -> dict[str, Any] | None:
+    """Validate the optional time layout (periods, the periods of each task, eval benchmarks)."""
+    if t is None:
+        return None
+    if not isinstance(t, dict):
+        raise _err("time", "must be an object")
+    periods = _req(t, "periods", list, "time")
+    if not all(isinstance(p, str) and p for p in periods) or len(set(periods)) != len(periods):
+        raise _err("time.periods", "must be distinct non-empty strings")
+    for task, ps in _req(t, "tasks", dict, "time").items():
+        if task not in tasks:
+            raise _err("time.tasks", f"unknown task '{task}'")
+        if not isinstance(ps, list) or not ps or any(p not in periods for p in ps):
+            raise _err(f"time.tasks['{task}']", "must be a non-empty list of time.periods")
+    ev = t.get("eval") or {}
+    if not isinstance(ev, dict):
+        raise _err("time.eval", "must be an object (period -> benchmark)")
+    for p, b in ev.items():
+        if p not in periods:
+            raise _err("time.eval", f"unknown period '{p}'")
+        if b not in benchmarks:
+            raise _err(f"time.eval['{p}']", f"unknown benchmark '{b}'")
+    return dict(t)
 
 
 def load_manifest(stream: str | os.PathLike, check_files: bool = True) -> Manifest:

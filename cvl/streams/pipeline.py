@@ -72,12 +72,14 @@ class Row:
     captions: list[str] | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     blob: tuple[str, int, int] | None = None  # (file, offset, length) of a base64 image (EC TSV)
+    member: tuple[str, int, int] | None = None  # (file, offset, length) of image bytes (a tar)
     root: str | None = None  # the image root `path` must resolve inside (else outside_root)
 
     @property
     def where(self) -> str:
-        if self.blob:
-            return f"{Path(self.blob[0]).name}@{self.blob[1]}"
+        if self.blob or self.member:
+            f, off, _ = self.blob or self.member  # type: ignore[misc]
+            return f"{Path(f).name}@{off}"
         return self.url or self.path or ""
 
 
@@ -171,7 +173,7 @@ def validate_rows(rows: Iterable[Row], drop: Dropper) -> list[Row]:
         if any(has_surrogates(t) for t in texts):
             drop("non_utf8", r, detail="caption/category is not valid UTF-8")
             continue
-        if not r.url and not r.path and not r.blob:
+        if not r.url and not r.path and not r.blob and not r.member:
             drop("missing_image", r, detail="no url or image path")
             continue
         if r.url and not r.path and not re.match(r"^https?://", r.url, re.I):
@@ -571,6 +573,8 @@ def _image_plan(
             plan[i] = ("file", r.path)
         elif r.blob:
             plan[i] = ("b64", *r.blob)
+        elif r.member:  # an image inside a webdataset / img2dataset shard: resized as a file
+            plan[i] = ("raw", *r.member)
         else:
             url_rows.setdefault(r.url or "", []).append(i)
     if url_rows:
@@ -609,13 +613,15 @@ def _load(item: tuple, image: ImageOptions) -> tuple[bytes | None, str | None]:
         return process_local(item[1], image)
     if item[0] == "b64":
         return _load_b64(item[1], item[2], item[3], image)
-    _, tar, off, size = item
+    kind, tar, off, size = item
     try:
         with open(tar, "rb") as f:
             f.seek(off)
-            return f.read(size), None
+            data = f.read(size)
     except OSError as e:
-        return None, f"cannot read cached image: {e}"
+        return None, f"cannot read {'the shard' if kind == 'raw' else 'cached'} image: {e}"
+    # an image inside a source shard is resized as a file; the cache holds resized images
+    return process_bytes(data, image) if kind == "raw" else (data, None)
 
 
 def _load_b64(
@@ -643,7 +649,7 @@ def _load_star(args: tuple) -> tuple[bytes | None, str | None]:
 
 def _images(items: list[tuple], image: ImageOptions, processes: int) -> Iterator[tuple]:
     """Image bytes for each plan item, in order (local files resized in a pool if processes>1)."""
-    n_local = sum(1 for it in items if it[0] in ("file", "b64"))
+    n_local = sum(1 for it in items if it[0] in ("file", "b64", "raw"))
     if processes > 1 and n_local > 256:
         import multiprocessing as mp
 
@@ -704,9 +710,13 @@ def build_stream(
     out = Path(opts.out)
     written: dict[tuple[str, str], ShardSet] = {}
     cats: dict[str, set[str]] = {t: set() for t in order}
+    # a rule may write a set in sub-folders (TimeSplit: one per period of a merged task)
+    sub = getattr(rule, "shard_group", None)
+    parts = {key: _parts(idx, rows, sub) for key, idx in groups.items()}
+    sub_sets: dict[tuple[str, str, str], ShardSet] = {}
     with atomic_dir(out, overwrite=opts.overwrite, kind="stream") as tmp:
         seq = [(split, task) for task in order for split in SPLITS if (split, task) in groups]
-        flat = [i for key in seq for i in groups[key]]
+        flat = [i for key in seq for _, idx in parts[key] for i in idx]
         bar = progress_bar(
             total=len(flat),
             desc=f"{source} shards",
@@ -716,42 +726,55 @@ def build_stream(
         )
         images = _images([plan[i] for i in flat], opts.image, opts.download.processes)
         folder = task_folders(order)
+
+        def write_one(sink: ShardSink, split: str, task: str, i: int) -> None:
+            data, err = next(images)
+            bar.update()
+            r = rows[i]
+            if data is None:
+                why = (
+                    "bad_base64"
+                    if (err or "").startswith("undecodable base64")
+                    else TOO_LARGE
+                    if (err or "").startswith(TOO_LARGE)
+                    else "bad_image"
+                )
+                drop(why, r, detail=f"{r.where}: {err}")
+                return
+            meta = {
+                # source metadata first: it never overrides the fields below
+                **{k: printable(v) for k, v in r.meta.items()},
+                "id": r.id,
+                "task": task,
+                "category": r.category,
+                "source": source,
+                "split": split,
+                **({"url": r.url} if r.url else {}),
+                **({"file": printable(Path(r.path).name)} if r.path else {}),
+                **({"captions": r.captions} if r.captions and len(r.captions) > 1 else {}),
+            }
+            sink.write(r.id, data, r.caption, meta)
+            report.keep(split)
+            if r.category:
+                cats[task].add(r.category)
+
         for split, task in seq:
-            rel = f"train/{folder[task]}" if split == "train" else f"eval/{split}/{folder[task]}"
-            sink = ShardSink(tmp, rel, maxcount=opts.shard_size)
-            for i in groups[(split, task)]:
-                data, err = next(images)
-                bar.update()
-                r = rows[i]
-                if data is None:
-                    why = (
-                        "bad_base64"
-                        if (err or "").startswith("undecodable base64")
-                        else TOO_LARGE
-                        if (err or "").startswith(TOO_LARGE)
-                        else "bad_image"
-                    )
-                    drop(why, r, detail=f"{r.where}: {err}")
-                    continue
-                meta = {
-                    # source metadata first: it never overrides the fields below
-                    **{k: printable(v) for k, v in r.meta.items()},
-                    "id": r.id,
-                    "task": task,
-                    "category": r.category,
-                    "source": source,
-                    "split": split,
-                    **({"url": r.url} if r.url else {}),
-                    **({"file": printable(Path(r.path).name)} if r.path else {}),
-                    **({"captions": r.captions} if r.captions and len(r.captions) > 1 else {}),
-                }
-                sink.write(r.id, data, r.caption, meta)
-                report.keep(split)
-                if r.category:
-                    cats[task].add(r.category)
-            ss = sink.close()
-            if ss.count:
-                written[(split, task)] = ss
+            base = f"train/{folder[task]}" if split == "train" else f"eval/{split}/{folder[task]}"
+            sets: list[ShardSet] = []
+            for group, idx in parts[(split, task)]:
+                rel = base if group is None else f"{base}/{task_folders([group])[group]}"
+                sink = ShardSink(tmp, rel, maxcount=opts.shard_size)
+                for i in idx:
+                    write_one(sink, split, task, i)
+                ss = sink.close()
+                if ss.count:
+                    sets.append(ss)
+                    if group is not None:
+                        sub_sets[(split, task, group)] = ss
+            if sets:
+                written[(split, task)] = ShardSet(
+                    [s for ss in sets for s in ss.shards], sum(ss.count for ss in sets)
+                )
         bar.close()
 
         tasks: dict[str, TaskInfo] = {}
@@ -778,6 +801,8 @@ def build_stream(
             per = {t: written[(split, t)] for t in final_order if (split, t) in written}
             if per:
                 evals[split] = EvalSet(EVAL_KIND[split], per)
+        sets = {(sp, t, None): ss for (sp, t), ss in written.items()} | sub_sets
+        extra = rule.manifest_extra(sets, final_order) if hasattr(rule, "manifest_extra") else {}
         m = Manifest(
             name=opts.name or out.name,
             source=source,
@@ -791,6 +816,8 @@ def build_stream(
                 "order": opts.order or "default",
                 "image": opts.image.to_json(),
             },
+            benchmarks=extra.get("benchmarks") or {},
+            time=extra.get("time"),
         )
         save_manifest(m, tmp)
         report.notes["task_order"] = final_order
@@ -799,12 +826,44 @@ def build_stream(
             for split in SPLITS
             if any((split, t) in written for t in final_order)
         }
+        if m.time:  # the written pairs of every period: training and held out
+            report.notes["time"] = time_counts(m, sets)
         report.save(tmp)
         with open(tmp / DROPPED_FILE, "w", encoding="utf-8") as f:
             for rec in drop.rows:
                 f.write(json.dumps(rec, ensure_ascii=False) + "\n")
     m.root = out.absolute()
     return m
+
+
+def _parts(
+    idx: list[int], rows: list[Row], group: Callable[[Row], str | None] | None
+) -> list[tuple[str | None, list[int]]]:
+    """The rows of one (split, task) set cut by `group` (in order of first appearance; kept
+    in file order within a group), or one part (None) without it."""
+    if group is None:
+        return [(None, idx)]
+    by: dict[str | None, list[int]] = {}
+    for i in idx:
+        by.setdefault(group(rows[i]), []).append(i)
+    return list(by.items())
+
+
+def time_counts(m: Manifest, sets: dict[tuple[str, str, str | None], ShardSet]) -> dict[str, Any]:
+    """build_report.json's `time`: the written training and held-out pairs of every period
+    of a time-ordered stream (`cvl.streams.timesplit`), with its task."""
+    t = m.time or {}
+    out: dict[str, Any] = {}
+    for task, ps in (t.get("tasks") or {}).items():
+        for p in ps:
+            n = {}
+            for split in ("train", "val", "test"):
+                ss = sets.get((split, task, p)) or (
+                    sets.get((split, task, None)) if len(ps) == 1 else None
+                )
+                n[split] = ss.count if ss is not None else 0
+            out[p] = {"task": task, **n}
+    return {"unit": t.get("unit"), "periods": out}
 
 
 def task_folders(tasks: list[str]) -> dict[str, str]:

@@ -39,7 +39,7 @@ import click
 import numpy as np
 from PIL import Image, ImageDraw
 
-from cvl.checks import NON_NEGATIVE_INT, POSITIVE_INT, SEED
+from cvl.checks import NON_NEGATIVE_INT, POSITIVE_INT, SEED, Num
 from cvl.errors import CvlError
 from cvl.io import atomic_dir
 from cvl.progress import progress_bar
@@ -321,8 +321,13 @@ def plan_sample(spec: SynthSpec, dom: dict, rng: np.random.Generator) -> dict:
     Kept apart so a builder can draw plans in order in one process and render them in many:
     the same rng sequence, hence the same bytes, whatever the number of processes."""
     S = spec.image_size * SS
+    shapes = dom["shapes"]
+    # time mode: concepts drawn by their popularity in the period (domains: uniformly)
+    pick = (
+        rng.choice(len(shapes), p=dom["weights"]) if "weights" in dom else rng.integers(len(shapes))
+    )
     p: dict = {
-        "shape": dom["shapes"][rng.integers(len(dom["shapes"]))],
+        "shape": shapes[pick],
         "colour": list(COLOURS)[rng.integers(len(COLOURS))],
         "size": list(SIZES)[rng.integers(len(SIZES))],
         "pos": list(POSITIONS)[rng.integers(len(POSITIONS))],
@@ -341,6 +346,12 @@ def plan_sample(spec: SynthSpec, dom: dict, rng: np.random.Generator) -> dict:
     p["rad"] = SIZES[p["size"]] * rng.uniform(0.9, 1.1) * S
     p["rot"] = rng.uniform(-0.25, 0.25)
     p["jitter"] = texture_jitter(S, p["style"], rng)
+    # time mode: a colour or size word may have a newer name in this period (vocabulary drift)
+    for w in (p["colour"], p["size"]):
+        if w in dom.get("words", {}):
+            new, prob = dom["words"][w]
+            if prob >= 1 or (prob > 0 and rng.random() < prob):
+                p.setdefault("words", {})[w] = new
     return p
 
 
@@ -383,7 +394,9 @@ def render_sample(image_size: int, p: dict) -> tuple[Image.Image, str, str]:
         md.polygon(poly, fill=255)
     img.paste(_texture(S, style, COLOURS[p["colour"]], p["jitter"]), (0, 0), mask)
     img = img.resize((image_size, image_size), Image.LANCZOS)
-    caption = f"a {p['size']} {p['colour']} {style} {p['shape']} at the {p['pos']} on a {p['bg']} background"
+    w = p.get("words", {})  # the period's name of a word (time mode), else the word
+    size, colour = w.get(p["size"], p["size"]), w.get(p["colour"], p["colour"])
+    caption = f"a {size} {colour} {style} {p['shape']} at the {p['pos']} on a {p['bg']} background"
     return img, caption, p["shape"]
 
 
@@ -620,6 +633,31 @@ def build_synthetic(
 @click.option(
     "--seed", type=SEED, default=0, show_default=True, help="Same seed -> byte-identical stream."
 )
+@click.option(
+    "--mode",
+    default="domains",
+    show_default=True,
+    type=click.Choice(["domains", "time"]),
+    help="domains: one domain per task (above); time: a drifting, time-ordered stream "
+    "(TiC-CLIP's setting): one period (year) per task, shapes entering and fading, colour and "
+    "size words taking newer names, per-period retrieval sets (benchmarks ret-YEAR). In time "
+    "mode --per-task and --test-per-task count per period, --shapes-per-task are the shapes "
+    "live in a period, --val-per-task defaults to 0 and there are no query/gallery sets.",
+)
+@click.option(
+    "--first-periods",
+    default=1,
+    show_default=True,
+    type=POSITIVE_INT,
+    help="Time mode: periods merged into the first task (TiC-DataComp's 2014-2016: 3).",
+)
+@click.option(
+    "--start-year",
+    default=2014,
+    show_default=True,
+    type=Num(int),
+    help="Time mode: the first period's label.",
+)
 @click.option("--name", default=None, help="Stream name [folder name].")
 @click.option(
     "--processes",
@@ -631,7 +669,15 @@ def build_synthetic(
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def synthetic_cmd(
-    out: str, name: str | None, overwrite: bool, quiet: bool, processes: int, **kw: int | None
+    out: str,
+    name: str | None,
+    overwrite: bool,
+    quiet: bool,
+    processes: int,
+    mode: str,
+    first_periods: int,
+    start_year: int,
+    **kw: int | None,
 ) -> None:
     """Procedurally drawn shapes with compositional captions, one domain per task.
 
@@ -646,8 +692,24 @@ def synthetic_cmd(
       cvl build-stream synthetic --out streams/s --pretrain 3000
       cvl train --stream streams/s/pretrain --method seqft --out runs/clip0
       cvl train --stream streams/s --init-run runs/clip0 --method modx --out runs/modx
+    A drifting time-ordered stream (TiC-CLIP's protocol, recipes/tic.sh):
+      cvl build-stream synthetic --mode time --tasks 5 --first-periods 3 --out streams/tic
     """
+    if mode == "time":
+        from cvl.streams.synthetic_time import build_synthetic_time, time_spec
 
+        m = build_synthetic_time(
+            out,
+            time_spec(kw, first_periods, start_year),
+            name=name,
+            overwrite=overwrite,
+            progress=not quiet,
+            processes=processes,
+        )
+        echo_summary(m, out, quiet)
+        return
+    if first_periods != 1:
+        raise CvlError("--first-periods: only with --mode time")
     m = build_synthetic(
         out,
         SynthSpec(**kw),

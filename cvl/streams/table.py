@@ -10,7 +10,10 @@ which records are usable, pass 2 parses the chosen ones), so a 12M-line CC12M fi
 in memory as rows.
 
 `build_table` is the generic source ``cvl build-stream table``: any table with an image URL or
-path column and a caption column, optional task / category / id / split columns.
+path column and a caption column, optional task / category / id / split columns. A webdataset
+shard (``.tar``, e.g. img2dataset's output) is a table too: one record per sample with its
+KEY.json fields, ``txt`` and the image member (read from the shard, resized like a file), so
+downloaded shards are re-split (by a date column: `cvl.streams.timesplit`) without fetching.
 """
 
 from __future__ import annotations
@@ -45,9 +48,11 @@ from cvl.streams.pipeline import (
     clean_text,
     has_surrogates,
 )
+from cvl.streams.timesplit import time_options, time_spec
 from cvl.streams.writer import BuildReport
 
-FORMATS = ("csv", "tsv", "jsonl", "json", "parquet")
+FORMATS = ("csv", "tsv", "jsonl", "json", "parquet", "wds")
+IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 _URL = re.compile(r"^https?://", re.I)
 csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
 
@@ -76,6 +81,8 @@ def sniff_format(path: Path, fmt: str | None) -> str:
             return f
     if name.endswith(".tab") or name.endswith(".txt"):
         return "tsv"
+    if name.endswith(".tar"):
+        return "wds"
     raise CvlError(
         f"{path}: cannot tell the format from the name; pass --format ({'|'.join(FORMATS)})"
     )
@@ -217,6 +224,47 @@ def iter_parquet(path: Path) -> Iterator[Record]:
             no += 1
 
 
+def iter_wds(path: Path) -> Iterator[Record]:
+    """Samples of a webdataset shard (img2dataset's output too) as records: KEY.json's fields,
+    `txt` (KEY.txt), each image member as (shard, offset, size) under its extension (`jpg`, ...)
+    and `__key__`; a sample whose KEY.json is not a JSON object is None (malformed_row)."""
+    import tarfile
+
+    try:
+        tf = tarfile.open(path)  # noqa: SIM115 (closed below)
+    except (tarfile.TarError, OSError) as e:
+        raise CvlError(f"{path}: not a readable tar shard ({e})") from None
+    rec: dict | None = None
+    key, no = None, -1
+    with tf:
+        for ti in tf:
+            if not ti.isfile():
+                continue
+            base = ti.name.rsplit("/", 1)[-1]
+            k, _, ext = base.partition(".")
+            if k != key:
+                if key is not None:
+                    yield no, rec
+                key, no, rec = k, no + 1, {"__key__": k}
+            if rec is None:
+                continue
+            ext = ext.lower()
+            if ext in IMAGE_EXTS:
+                rec[ext] = (str(path), ti.offset_data, ti.size)
+            elif ext in ("json", "txt"):
+                raw = tf.extractfile(ti).read().decode("utf-8", "surrogateescape")
+                if ext == "txt":
+                    rec["txt"] = raw
+                    continue
+                try:
+                    obj = json.loads(raw)
+                except json.JSONDecodeError:
+                    obj = None
+                rec = {**obj, **rec} if isinstance(obj, dict) else None
+        if key is not None:
+            yield no, rec
+
+
 def iter_table(path: Path, fmt: str, header: bool = True) -> Iterator[Record]:
     if fmt == "csv":
         return iter_csv(path, ",", header)
@@ -226,6 +274,8 @@ def iter_table(path: Path, fmt: str, header: bool = True) -> Iterator[Record]:
         return iter_jsonl(path)
     if fmt == "json":
         return iter_json(path)
+    if fmt == "wds":
+        return iter_wds(path)
     return iter_parquet(path)
 
 
@@ -311,6 +361,14 @@ def image_ref(value: Any, root: Path) -> tuple[str | None, str | None]:
     return None, str(p if p.is_absolute() else root / p)
 
 
+def json_safe(v: Any) -> Any:
+    """A cell as a JSON value for KEY.json (dates from parquet as ISO strings)."""
+    if v is None or isinstance(v, (str, int, float, bool)):
+        return v
+    iso = getattr(v, "isoformat", None)
+    return iso() if callable(iso) else str(v)
+
+
 def parse_split(v: Any) -> str | None:
     s = (clean_text(v) or "").lower()
     aliases = {"validation": "val", "valid": "val", "dev": "val", "training": "train"}
@@ -338,8 +396,12 @@ def build_table(
     limit_per_task: int | None = None,
     task_name: str = "all",
     source: str = "table",
+    time: dict[str, Any] | None = None,
 ) -> Manifest:
-    """`cvl build-stream table`: a stream from any image-text table (see the module docstring)."""
+    """`cvl build-stream table`: a stream from any image-text table (see the module docstring).
+
+    `time` (keys of `TimeSplit`, with `column`): one task per period of a date column
+    (`cvl.streams.timesplit`), instead of a task column or chunks."""
     paths = [require_file(p, "--input") for p in inputs]
     if not paths:
         raise CvlError("--input: give at least one file")
@@ -352,6 +414,7 @@ def build_table(
         "category": category_col,
         "id": id_col,
         "split": split_col,
+        "time": (time or {}).get("column"),
     }
     multi = len(paths) > 1
 
@@ -375,7 +438,9 @@ def build_table(
                     d("malformed_row", where=where)
                 return None
             caption = clean_text(get(rec, cols["caption"]))
-            url, p = image_ref(get(rec, cols["url"]), root)
+            img = get(rec, cols["url"])
+            member = img if isinstance(img, tuple) else None  # an image inside a shard
+            url, p = (None, None) if member else image_ref(img, root)
             rid = get(rec, cols["id"]) if id_col else f"{fi}-{no}" if multi else str(no)
             row = Row(
                 id=str(rid) if rid is not None else "",
@@ -383,12 +448,13 @@ def build_table(
                 url=url,
                 path=p,
                 root=str(root),
+                member=member,
             )
             if caption is None:
                 if d:
                     d("missing_caption", row, where=where)
                 return None
-            if url is None and p is None:
+            if url is None and p is None and member is None:
                 if d:
                     d("missing_image", row, where=where)
                 return None
@@ -400,6 +466,8 @@ def build_table(
                 row.task = clean_text(get(rec, task_col))
             if category_col:
                 row.category = clean_text(get(rec, category_col))
+            if cols["time"]:  # the raw date; the time split reads (and counts) it
+                row.meta[cols["time"]] = json_safe(get(rec, cols["time"]))
             if split_col:
                 s = parse_split(get(rec, split_col))
                 if s is None:
@@ -411,19 +479,27 @@ def build_table(
 
         return parse
 
+    if time is not None:
+        clash = [o for o, v in (("--task-col", task_col), ("--split-col", split_col)) if v]
+        clash += ["--sample"] if sample is not None else []
+        clash += ["--chunks"] if chunks != 1 else []
+        if clash:
+            raise CvlError(f"--time-col makes one task per period: drop {', '.join(clash)}")
     if task_col and (sample is not None or chunks != 1):
         raise CvlError(
             "--task-col gives the tasks: use --limit-per-task instead of --sample/--chunks"
         )
-    if not task_col and limit_per_task is not None:
-        raise CvlError("--limit-per-task needs --task-col (without it, use --sample)")
+    if not (task_col or time) and limit_per_task is not None:
+        raise CvlError("--limit-per-task needs --task-col or --time-col (else use --sample)")
     if no_header:
         for c in (url_col, caption_col, task_col, category_col, id_col, split_col):
             if c is not None and not str(c).isdigit():
                 raise CvlError(f"--no-header: columns are numbers (0, 1, ...), got '{c}'")
     presplit = split_col is not None
     # a seeded sample at read time only where the split rule takes exactly that many rows
-    need = None if (task_col or presplit or sample is None) else sample + chunks * (val + test)
+    need = (
+        None if (task_col or time or presplit or sample is None) else sample + chunks * (val + test)
+    )
     sources = []
     for fi, path in enumerate(paths):
         f = sniff_format(path, fmt)
@@ -441,7 +517,21 @@ def build_table(
         records, parse, drop, report, sample=need, seed=opts.seed, progress=opts.progress
     )
     rule: SplitRule
-    if task_col:
+    if time is not None:
+        from cvl.streams.timesplit import Periods, TimeSplit, load_eval_ids
+
+        t = dict(time)
+        rule = TimeSplit(
+            t.pop("column"),
+            Periods.make(t.pop("unit", "year"), t.pop("cuts", None)),
+            eval_ids=load_eval_ids(t.pop("eval_ids")) if t.get("eval_ids") else None,
+            test=test,
+            val=val,
+            limit=limit_per_task,
+            seed=opts.seed,
+            **{k: v for k, v in t.items() if k != "eval_ids"},
+        )
+    elif task_col:
         rule = ColumnSplit(
             f"value of column '{task_col}'",
             limit=limit_per_task,
@@ -462,6 +552,7 @@ def build_table(
         "val": val,
         "test": test,
         "limit_per_task": limit_per_task,
+        **({"time": {k: v for k, v in time.items() if v is not None}} if time else {}),
     }
     return build_stream(rows, rule, opts, source=source, report=report, drop=drop, source_args=args)
 
@@ -474,13 +565,14 @@ def build_table(
     required=True,
     multiple=True,
     type=click.Path(dir_okay=False),
-    help="CSV / TSV / JSONL / JSON / parquet file (.gz ok). Repeatable.",
+    help="CSV / TSV / JSONL / JSON / parquet file (.gz ok), or a webdataset .tar shard "
+    "(img2dataset's output: KEY.json's fields, txt, and the image as --url-col jpg). Repeatable.",
 )
 @click.option(
     "--format",
     "fmt",
     default=None,
-    type=click.Choice(["csv", "tsv", "jsonl", "json", "parquet"]),
+    type=click.Choice(list(FORMATS)),
     help="File format [from the extension].",
 )
 @click.option("--url-col", required=True, help="Column with an image URL or a local path.")
@@ -510,6 +602,7 @@ def build_table(
     type=POSITIVE_INT,
     help="With --task-col: at most N training pairs per task (seeded).",
 )
+@time_options
 @split_options(1)
 @common_options
 def table_cmd(
@@ -539,7 +632,12 @@ def table_cmd(
     change); without it --chunks seeded random chunks. See datasets/README.md.
       cvl build-stream table --input pairs.csv --url-col image --caption-col text \\
           --task-col domain --test 500 --out streams/mine
+    Time-ordered (TiC-CLIP): one task per year, 2014-2016 merged, 1000 retrieval pairs a year:
+      cvl build-stream table --input meta.parquet --id-col uid --url-col url \\
+          --caption-col caption --time-col timestamp --first-until 2016 --until 2022 \\
+          --test 1000 --out streams/tic
     """
+    time = time_spec(kw)
 
     opts = build_options(kw)
     m = build_table(
@@ -560,5 +658,6 @@ def table_cmd(
         test=test,
         limit_per_task=limit_per_task,
         task_name=task_name,
+        time=time,
     )
     finish(m, str(opts.out), quiet=not opts.progress)

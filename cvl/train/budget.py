@@ -24,6 +24,8 @@ SPEC is `samples=N`, `tflops=N` or `maf=N`, for the whole stream, or with `/task
 
 `--budget-arg` chooses how (`budget_options`; `maf` defaults to FoMo-in-Flux's definition,
 `samples` and `tflops` to cvl's earlier choices, which stay available for `maf` too):
+TiC-CLIP's Oracle (`joint restart=true`, each task retrained from scratch on tasks 0..t) gets
+for task t the budget of tasks 0..t.
 
 | option | maf (FoMo-in-Flux) | samples, tflops (cvl) | the other choice |
 |---|---|---|---|
@@ -163,15 +165,20 @@ def task_share(
     n_tasks: int,
     single_task: bool,
     split: str = "pairs",
+    seen: bool = False,
 ) -> float:
     """Task `ti`'s part of the budget (in the spec's unit). `counts`: training pairs of the
-    trained tasks, by index; `split`: `equal` over them (FoMo-in-Flux) or by their `pairs`."""
+    trained tasks, by index; `split`: `equal` over them (FoMo-in-Flux) or by their `pairs`.
+    `seen`: the task stands for tasks 0..ti (TiC-CLIP's Oracle, `joint restart=true`: step t
+    retrains on everything with t × the per-step compute)."""
     if b.per_task:
-        return b.amount * (n_tasks if single_task else 1)
+        return b.amount * (n_tasks if single_task else ti + 1 if seen else 1)
     if split == "equal":
-        return b.amount / len(counts) if counts else 0.0
+        k = sum(1 for i in counts if i <= ti) if seen else 1
+        return b.amount * k / len(counts) if counts else 0.0
     total = sum(counts.values())
-    return b.amount * counts[ti] / total if total else 0.0
+    mine = sum(c for i, c in counts.items() if i <= ti) if seen else counts[ti]
+    return b.amount * mine / total if total else 0.0
 
 
 def derive_steps(
@@ -448,7 +455,8 @@ def plan_task(
     opts = dict(trainer.budget_opts)
     counts = {i: trainer.manifest.tasks[trainer.order[i]].train.count for i in trainer.indices}
     single = getattr(trainer.method, "single_task", False)
-    share = task_share(b, counts, ctx.task_index, len(trainer.order), single, opts["split"])
+    seen = getattr(trainer.method, "budget_seen", False)
+    share = task_share(b, counts, ctx.task_index, len(trainer.order), single, opts["split"], seen)
     rec: dict[str, Any] = {"spec": b.spec, "kind": b.kind, "per_task": b.per_task}
     rec["share"] = share
     samples_per_step = gb * cfg.grad_accum

@@ -10,6 +10,18 @@ from cvl.device import deterministic_option, device_option
 from cvl.train.config import LIMITS
 from cvl.train.schedules import SCHEDULES
 
+# `--buffer` choices (= cvl.methods.buffers.buffer_names(), checked by a test; listed here so
+# that `cvl train --help` does not import torch)
+BUFFER_CHOICES = [
+    "reservoir",
+    "ring",
+    "kmeans",
+    "mof",
+    "cumulative-all",
+    "cumulative-equal",
+    "cumulative-exp",
+]
+
 # CLI option name -> TrainConfig field; only options given explicitly override the YAML.
 _OPTS = [
     "stream",
@@ -136,7 +148,7 @@ _OPTS = [
     "--warmup-later",
     type=LIMITS["warmup"],
     default=None,
-    help="Warm-up of every task after the first (same units as --warmup) [--warmup]: "
+    help="Warm-up of every task that starts from trained weights: every task after the first, except those of a method that restarts from the initial weights (`joint restart=true`) (same units as --warmup) [--warmup]: "
     "TiC-CLIP's warm start, e.g. --warmup 10000 --warmup-later 2000.",
 )
 @click.option(
@@ -191,11 +203,16 @@ _OPTS = [
 @click.option(
     "--buffer",
     default=None,
-    type=click.Choice(["reservoir", "ring", "kmeans", "mof"]),
-    help="Replay buffer strategy (any method).",
+    type=click.Choice(BUFFER_CHOICES),
+    help="Replay buffer strategy (any method): reservoir (ER), ring (DHA), kmeans, mof "
+    "(herding), or TiC-CLIP's cumulative-all (every past pair), cumulative-equal (the budget "
+    "split equally among past tasks), cumulative-exp (halved per task of age).",
 )
 @click.option(
-    "--buffer-size", type=LIMITS["buffer_size"], default=0, help="Replay buffer capacity (pairs)."
+    "--buffer-size",
+    type=LIMITS["buffer_size"],
+    default=0,
+    help="Replay buffer capacity (pairs); not with cumulative-all.",
 )
 @click.option(
     "--tune",

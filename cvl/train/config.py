@@ -123,10 +123,7 @@ class TrainConfig:
 
         check_schedule(self)
         self._check_mixture()
-        if self.buffer and self.buffer_size <= 0:
-            raise CvlError(f"--buffer {self.buffer} needs a positive --buffer-size")
-        if self.buffer_size and not self.buffer:
-            raise CvlError("--buffer-size given without --buffer (reservoir, ring, kmeans, mof)")
+        self._check_buffer()
         if not self.stream:
             raise CvlError("--stream is required")
         if not self.out:
@@ -159,6 +156,24 @@ class TrainConfig:
                 f"--buffer {self.buffer} with a --mixture that gives it no share: its items would "
                 "never be replayed (add buffer=SHARE to --mixture, or drop --buffer)"
             )
+
+    def _check_buffer(self) -> None:
+        from cvl.methods.buffers import BUFFERS, buffer_names
+
+        names = buffer_names()
+        if self.buffer_size and not self.buffer:
+            raise CvlError(f"--buffer-size given without --buffer ({', '.join(names)})")
+        if not self.buffer:
+            return
+        if self.buffer not in names:
+            raise CvlError(f"unknown buffer '{self.buffer}' (available: {', '.join(names)})")
+        if getattr(BUFFERS[self.buffer], "unbounded", False):
+            if self.buffer_size:
+                raise CvlError(
+                    f"--buffer {self.buffer} keeps every past pair: it takes no --buffer-size"
+                )
+        elif self.buffer_size <= 0:
+            raise CvlError(f"--buffer {self.buffer} needs a positive --buffer-size")
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

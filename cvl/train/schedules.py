@@ -87,12 +87,14 @@ class TaskPosition:
 
     k: its index among the run's trained tasks; steps: its optimizer steps; before: the steps
     each earlier trained task trained; plan: the planned part of every trained task
-    (`stream_plan`, stream-level schedules only)."""
+    (`stream_plan`, stream-level schedules only); restarts: every task starts from the
+    initial weights (`joint restart=true`, TiC-CLIP's Oracle), so each warms up as the first."""
 
     k: int = 0
     steps: int = 1
     before: tuple[int, ...] = ()
     plan: tuple[float, ...] | None = None
+    restarts: bool = False
 
 
 def cosine_schedule(total: int, warmup: float, base_lr: float, min_lr: float):
@@ -118,10 +120,11 @@ def _half_cos(x: float) -> float:
     return 0.5 * (1 + math.cos(math.pi * x))
 
 
-def warmup_of(cfg: Any, k: int) -> float:
-    """The task's `--warmup` value: `--warmup-later` (if set) for every task after the first."""
+def warmup_of(cfg: Any, k: int, restarts: bool = False) -> float:
+    """The task's `--warmup` value: `--warmup-later` (if set) for every task that starts from
+    trained weights (after the first, unless every task `restarts` from the initial ones)."""
     later = getattr(cfg, "warmup_later", None)
-    return cfg.warmup if k == 0 or later is None else later
+    return cfg.warmup if k == 0 or restarts or later is None else later
 
 
 def lr_multiplier(cfg: Any, pos: TaskPosition) -> Callable[[int], float]:
@@ -129,13 +132,13 @@ def lr_multiplier(cfg: Any, pos: TaskPosition) -> Callable[[int], float]:
     name = getattr(cfg, "lr_schedule", "cosine")
     r = cfg.min_lr / cfg.lr if cfg.lr > 0 else 0.0
     S, k = max(1, pos.steps), pos.k
-    w = warmup_of(cfg, k)
+    w = warmup_of(cfg, k, pos.restarts)
     if name == "cosine":
         return cosine_schedule(S, w, cfg.lr, cfg.min_lr)
     if name == "stream-cosine":
         return stream_multiplier(cfg, pos, r)
     W = _steps(w, S)
-    prev_w = [_steps(warmup_of(cfg, i), s) for i, s in enumerate(pos.before)]
+    prev_w = [_steps(warmup_of(cfg, i, pos.restarts), s) for i, s in enumerate(pos.before)]
     if name in ("cosine-fomo", "cosine-ar", "cosine-dyn"):
         peak = 1.0
         if name != "cosine-fomo" and k > 0:
@@ -258,8 +261,9 @@ def stream_plan(trainer: Any, indices: Sequence[int]) -> tuple[float, ...]:
     if trainer.budget is not None:
         counts = {i: trainer.manifest.tasks[order[i]].train.count for i in indices}
         split = trainer.budget_opts["split"]  # maf: equal (FoMo-in-Flux), else by pairs
+        seen = getattr(trainer.method, "budget_seen", False)  # the Oracle: tasks 0..t
         return tuple(
-            task_share(trainer.budget, counts, i, len(order), single, split) for i in indices
+            task_share(trainer.budget, counts, i, len(order), single, split, seen) for i in indices
         )
     gb = cfg.batch_size * trainer.acc.num_processes
     ctx = TaskContext(
@@ -294,8 +298,9 @@ def task_position(trainer: Any, ti: int, steps: int) -> TaskPosition:
 
     name = getattr(trainer.cfg, "lr_schedule", "cosine")
     k = trainer.indices.index(ti)
+    restarts = bool(getattr(trainer.method, "restarts", False))
     if name in PER_TASK:
-        return TaskPosition(k, steps)
+        return TaskPosition(k, steps, restarts=restarts)
     order = list(trainer.manifest.task_order)
     before = tuple(
         int(read_json(task_dir(trainer.out, i, order[i]) / "task.json")["steps"])
@@ -306,7 +311,7 @@ def task_position(trainer: Any, ti: int, steps: int) -> TaskPosition:
         if getattr(trainer, "_stream_plan", None) is None:
             trainer._stream_plan = stream_plan(trainer, trainer.indices)
         plan = trainer._stream_plan
-    return TaskPosition(k, steps, before, plan)
+    return TaskPosition(k, steps, before, plan, restarts)
 
 
 def schedule_record(trainer: Any) -> dict[str, Any]:

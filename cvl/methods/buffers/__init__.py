@@ -168,6 +168,8 @@ class Buffer:
     #: selection needs features (k-means, herding): compute once on rank 0 and broadcast.
     rank0_only = True
     needs_features = False
+    #: keeps every item (TiC's Cumulative-All): takes no --buffer-size
+    unbounded = False
 
     def select(
         self, task: str, entries: list[Entry], feats: Any
@@ -218,10 +220,15 @@ def _world(ctx: Any) -> int:
     return ctx.accelerator.num_processes if ctx is not None and ctx.accelerator is not None else 1
 
 
-def build_buffer(name: str, size: int, seed: int, stream_root: str | None) -> Buffer:
-    """A buffer by CLI name (reservoir, ring, kmeans, mof)."""
-    from cvl.methods.buffers import kmeans, mof, reservoir, ring  # noqa: F401 (register)
+def buffer_names() -> list[str]:
+    """Every registered buffer's CLI name (the modules below register themselves)."""
+    from cvl.methods.buffers import cumulative, kmeans, mof, reservoir, ring  # noqa: F401
 
-    if name not in BUFFERS:
+    return list(BUFFERS)
+
+
+def build_buffer(name: str, size: int, seed: int, stream_root: str | None) -> Buffer:
+    """A buffer by CLI name (reservoir, ring, kmeans, mof, cumulative-all|-equal|-exp)."""
+    if name not in buffer_names():
         raise CvlError(f"unknown buffer '{name}' (available: {', '.join(sorted(BUFFERS))})")
     return BUFFERS[name](size, seed=seed, stream_root=stream_root)

@@ -1,4 +1,11 @@
-"""Ring buffer (DHA Alg. 2): after t tasks, |M|/t random items from each task seen."""
+"""Ring buffer (DHA Alg. 2): after t tasks, |M|/t random items from each task seen.
+
+`QuotaBuffer` is the shared mechanism of the per-task-quota buffers (ring here, TiC-CLIP's
+Cumulative-Equal and Cumulative-Exp in `cumulative.py`): after each task, every old task keeps
+a seeded random subset of the items it already holds (nested: a task's items only ever
+shrink, so the buffer never needs data it no longer has) and the new task gets a random
+sample of its training items; a subclass only says how many items each task keeps.
+"""
 
 from __future__ import annotations
 
@@ -8,23 +15,35 @@ from cvl.data.reader import Entry
 from cvl.methods.buffers import Buffer, register_buffer
 
 
-@register_buffer("ring")
-class Ring(Buffer):
-    """Equal per-task quotas; older tasks are re-selected (random subset) from the buffer."""
+class QuotaBuffer(Buffer):
+    """Per-task quotas (`quotas`), old tasks re-selected (random subset) from the buffer."""
 
-    rank0_only = False
+    rank0_only = False  # a pure function of the seed: every rank computes the same items
+
+    def quotas(self, held: dict[str, int], n_new: int) -> tuple[dict[str, int], int]:
+        """(items each old task keeps, items the new task gets); `held` = items each old task
+        holds now, `n_new` = the new task's training items (len(self.sizes) tasks seen)."""
+        raise NotImplementedError
 
     def select(
         self, task: str, entries: list[Entry], feats: Any
     ) -> dict[str, list[tuple[str, str]]]:
-        t = len(self.sizes)  # tasks seen, this one included
-        quota = self.size // t
-        rng = self.rng(t)
+        rng = self.rng(len(self.sizes))
+        old, new = self.quotas({t: len(r) for t, r in self.items.items()}, len(entries))
         out = {}
-        for old, refs in self.items.items():
-            keep = sorted(rng.choice(len(refs), size=min(quota, len(refs)), replace=False))
-            out[old] = [refs[i] for i in keep]
+        for t, refs in self.items.items():
+            keep = sorted(rng.choice(len(refs), size=min(old[t], len(refs)), replace=False))
+            out[t] = [refs[i] for i in keep]
         refs = self.refs(entries)
-        pick = rng.choice(len(refs), size=min(quota, len(refs)), replace=False)
+        pick = rng.choice(len(refs), size=min(new, len(refs)), replace=False)
         out[task] = [refs[i] for i in pick]
         return out
+
+
+@register_buffer("ring")
+class Ring(QuotaBuffer):
+    """Equal per-task quotas ⌊|M|/t⌋; older tasks are re-selected (random subset) from the buffer."""
+
+    def quotas(self, held: dict[str, int], n_new: int) -> tuple[dict[str, int], int]:
+        quota = self.size // len(self.sizes)
+        return dict.fromkeys(held, quota), quota

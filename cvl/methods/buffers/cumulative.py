@@ -1,0 +1,69 @@
+"""TiC-CLIP's replay policies (Garg et al., ICLR 2024, §3 "Cumulative"): the data of each
+time step is replayed in the following steps, under a budget of D items (`--buffer-size D`).
+
+Each step trains, from the previous checkpoint, on its new data plus the buffer (shuffled
+together); TiC found random subsampling as good as smarter selection for a fixed per-step
+budget, so every choice here is a seeded random subset. With D = the size of a step's data,
+a step trains on 2D pairs (TiC's setting); any D works.
+
+- `cumulative-all`: replay every past training pair (no budget: `--buffer-size` is not
+  given). With `seqft` this is `joint cumulative=true` (the same data each step).
+- `cumulative-equal`: D items split equally among the past steps: after t steps each keeps
+  ⌊D/t⌋ (TiC: "at the 4th step it retains D/3, D/3, D/3 of old data"); the rounding
+  remainder goes to the newest step, so the buffer holds exactly D once the data allows.
+  DHA's `ring` is the same split with the remainder left unused.
+- `cumulative-exp`: D items whose share halves with each step of age: the newest past step
+  holds D/2, the one before D/4, ..., the two oldest the same (TiC: "at the 3rd step D/2, D/2,
+  at the 4th D/2, D/4, D/4"). After each step every old step keeps ⌊half⌋ of what it held and
+  the newest takes the rest (≈ D/2; all D after the first step).
+
+Old steps are always re-selected from what the buffer already holds (nested subsets: a
+step's items only shrink), so the buffer never needs past data it no longer has; the new
+step's items are a random sample of its training pairs. The budget is in samples (pairs).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from cvl.data.reader import Entry
+from cvl.methods.buffers import Buffer, register_buffer
+from cvl.methods.buffers.ring import QuotaBuffer
+
+
+@register_buffer("cumulative-all")
+class CumulativeAll(Buffer):
+    """Every training pair of every past step (TiC's Cumulative-All); no size limit."""
+
+    rank0_only = False
+    unbounded = True  # --buffer-size is not used
+
+    def __init__(
+        self, size: int = 0, seed: int = 0, stream_root: str | os.PathLike | None = None
+    ) -> None:
+        super().__init__(max(1, size), seed=seed, stream_root=stream_root)
+        self.size = 0  # no capacity: everything is kept
+
+    def select(
+        self, task: str, entries: list[Entry], feats: Any
+    ) -> dict[str, list[tuple[str, str]]]:
+        return {**self.items, task: self.refs(entries)}
+
+
+@register_buffer("cumulative-equal")
+class CumulativeEqual(QuotaBuffer):
+    """D items split equally among the past steps (⌊D/t⌋ each; the remainder to the newest)."""
+
+    def quotas(self, held: dict[str, int], n_new: int) -> tuple[dict[str, int], int]:
+        q = self.size // len(self.sizes)
+        return dict.fromkeys(held, q), self.size - q * len(held)
+
+
+@register_buffer("cumulative-exp")
+class CumulativeExp(QuotaBuffer):
+    """D items, halved per step of age: each old step keeps ⌊half⌋, the newest the rest."""
+
+    def quotas(self, held: dict[str, int], n_new: int) -> tuple[dict[str, int], int]:
+        old = {t: n // 2 for t, n in held.items()}
+        return old, self.size - sum(old.values())

@@ -1,0 +1,487 @@
+"""Time-ordered streams (TiC-CLIP, Garg et al. ICLR 2024): one task per period of a timestamp.
+
+`cvl build-stream table --time-col COL` reads each pair's date and puts it in a period: a
+calendar `year`, `quarter` (``2014-Q1``) or `month` (``2014-03``), or the intervals between
+explicit cut points (``--cuts 2017-01-01,2019-07-01``: ``until-2017-01-01``, ``2017-01-01``,
+``2019-07-01``). Periods are training tasks in time order; ``--first-until P`` merges every
+period up to P into the first task (TiC-DataComp's first step is 2014–2016, then one step per
+year to 2022: 7 training steps). From every period ``--test N`` pairs are held out (seeded) as
+its *dynamic retrieval* set, or the pairs an ``--eval-ids`` file names (TiC's released
+``tic-datacomp_retrieval_evals_year2uids.json``); TiC evaluates every step's model on every
+period's set (9 yearly sets for 7 steps), so the stream carries them as benchmarks
+``ret-PERIOD``, and each task's ``test`` set is the union of its periods' sets (a merged first
+task writes one sub-folder per period: ``eval/test/2014-2016/2015/...``).
+
+Dates are never guessed: a missing date is dropped as ``missing_date``, an unreadable one as
+``bad_date``, dates outside ``--since`` / ``--until`` as ``before_since`` / ``after_until``;
+build_report.json counts them and every period's pairs (``time``). Readable dates (`--time-format`,
+default ``auto``): date/datetime values (parquet), ISO 8601 strings (``2014-03-05``,
+``2014-03-05T12:00:00Z``, ``2014/03/05``, ``2014-03``), digit strings or integers of 4
+(``2014``: a year), 6 (``201403``: TiC's month names) or 8 digits (``20140305``), other numbers
+as Unix seconds (YFCC's ``dateuploaded``); ``epoch``, ``epoch_ms``, ``iso`` or a strptime
+pattern (``%d.%m.%Y``) read one way only. Times with a zone are converted to UTC, naive ones
+are taken as UTC.
+
+The manifest's optional ``time`` field records the layout (`cvl eval` derives TiC's
+in-distribution / backward / forward transfer from it, `cvl.evaluation.transfer`)::
+
+    "time": {"unit": "year", "column": "timestamp",
+             "periods": ["2014", ..., "2022"],                  # time order
+             "tasks": {"2014-2016": ["2014", "2015", "2016"], "2017": ["2017"], ...},
+             "eval": {"2014": "ret-2014", ...}}                  # period -> benchmark
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import click
+import numpy as np
+
+from cvl.errors import CvlError
+from cvl.streams.manifest import Benchmark, ShardSet
+from cvl.streams.pipeline import Dropper, Row, SplitRule
+
+UNITS = ("year", "quarter", "month")
+FORMATS = ("auto", "iso", "epoch", "epoch_ms")
+BENCH_PREFIX = "ret-"
+_UTC = _dt.timezone.utc
+
+
+# -- dates ---------------------------------------------------------------------------------------
+def _digits(s: str) -> _dt.datetime | None:
+    """4 digits: a year; 6: YYYYMM; 8: YYYYMMDD; None for other lengths."""
+    try:
+        if len(s) == 4:
+            return _dt.datetime(int(s), 1, 1)
+        if len(s) == 6:
+            return _dt.datetime(int(s[:4]), int(s[4:]), 1)
+        if len(s) == 8:
+            return _dt.datetime(int(s[:4]), int(s[4:6]), int(s[6:]))
+    except ValueError:
+        raise ValueError(f"not a date: {s!r}") from None
+    return None
+
+
+def _iso(s: str) -> _dt.datetime:
+    s = s.strip().replace("/", "-")
+    if re.fullmatch(r"\d{4}-\d{1,2}", s):  # year-month
+        y, m = s.split("-")
+        return _dt.datetime(int(y), int(m), 1)
+    if s.endswith(("Z", "z")):
+        s = s[:-1] + "+00:00"
+    return _dt.datetime.fromisoformat(s)
+
+
+def _epoch(x: float, scale: float = 1.0) -> _dt.datetime:
+    return _dt.datetime.fromtimestamp(float(x) / scale, tz=_UTC)
+
+
+def parse_time(value: Any, fmt: str = "auto") -> _dt.datetime | None:
+    """A naive UTC datetime from a cell, None when it is missing (empty); ValueError when it
+    cannot be read (module docstring for the rules of each `fmt`)."""
+    if value is None or (isinstance(value, float) and np.isnan(value)):
+        return None
+    if isinstance(value, str) and not value.strip():
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"not a date: {value!r}")
+    try:
+        dt = _parse(value, fmt)
+    except (ValueError, OverflowError, OSError, TypeError) as e:
+        raise ValueError(f"not a date: {value!r} ({e})") from None
+    if dt.tzinfo is not None:
+        dt = dt.astimezone(_UTC).replace(tzinfo=None)
+    return dt
+
+
+def _parse(value: Any, fmt: str) -> _dt.datetime:
+    if isinstance(value, _dt.datetime):
+        return value
+    if isinstance(value, _dt.date):
+        return _dt.datetime(value.year, value.month, value.day)
+    if fmt in ("epoch", "epoch_ms"):
+        return _epoch(float(value), 1000.0 if fmt == "epoch_ms" else 1.0)
+    s = str(value).strip()
+    if fmt == "iso":
+        return _iso(s)
+    if fmt != "auto":  # a strptime pattern
+        return _dt.datetime.strptime(s, fmt)
+    if isinstance(value, (int, float, np.integer, np.floating)) or re.fullmatch(r"\d+", s):
+        if isinstance(value, (float, np.floating)) and not float(value).is_integer():
+            return _epoch(float(value))
+        d = _digits(str(int(float(s))))
+        return d if d is not None else _epoch(float(s))
+    return _iso(s)
+
+
+# -- periods ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Periods:
+    """How dates become periods: calendar `unit`s, or the intervals between `cuts`."""
+
+    unit: str = "year"
+    cuts: tuple[_dt.datetime, ...] = ()
+
+    @classmethod
+    def make(cls, unit: str, cuts: str | None) -> Periods:
+        if cuts:
+            pts = [_cut(c) for c in cuts.split(",") if c.strip()]
+            if not pts or any(b <= a for a, b in zip(pts, pts[1:])):
+                raise CvlError(f"--cuts {cuts!r}: give increasing dates (2017-01-01,2019-07-01)")
+            return cls("cuts", tuple(pts))
+        if unit not in UNITS:
+            raise CvlError(f"--period must be one of {', '.join(UNITS)}, got {unit!r}")
+        return cls(unit)
+
+    def key(self, dt: _dt.datetime) -> tuple[int, ...]:
+        """A sortable key of the period holding `dt`."""
+        if self.unit == "cuts":
+            return (int(np.searchsorted(np.array(self.cuts, dtype=object), dt, side="right")),)
+        if self.unit == "year":
+            return (dt.year,)
+        if self.unit == "quarter":
+            return (dt.year, (dt.month - 1) // 3 + 1)
+        return (dt.year, dt.month)
+
+    def label(self, key: tuple[int, ...]) -> str:
+        if self.unit == "cuts":
+            i = key[0]
+            return f"until-{_day(self.cuts[0])}" if i == 0 else _day(self.cuts[i - 1])
+        if self.unit == "year":
+            return str(key[0])
+        if self.unit == "quarter":
+            return f"{key[0]}-Q{key[1]}"
+        return f"{key[0]}-{key[1]:02d}"
+
+    def key_of_label(self, text: str, what: str) -> tuple[int, ...]:
+        """The period key of a period given on the command line (`--first-until 2016`)."""
+        t = text.strip()
+        m = re.fullmatch(r"(\d{4})-[Qq]([1-4])", t)
+        try:
+            if m and self.unit == "quarter":
+                return (int(m.group(1)), int(m.group(2)))
+            dt = parse_time(t)
+        except ValueError:
+            dt = None
+        if dt is None:
+            raise CvlError(f"{what} {text!r}: not a date or period (e.g. 2016, 2016-06)")
+        return self.key(dt)
+
+    def describe(self) -> str:
+        if self.unit == "cuts":
+            return "intervals between the cut points " + ", ".join(_day(c) for c in self.cuts)
+        return f"calendar {self.unit}s"
+
+
+def _day(d: _dt.datetime) -> str:
+    return d.strftime("%Y-%m-%d")
+
+
+def _cut(text: str) -> _dt.datetime:
+    try:
+        dt = parse_time(text.strip())
+    except ValueError:
+        dt = None
+    if dt is None:
+        raise CvlError(f"--cuts: {text!r} is not a date (2017-01-01, 2017-06, 2017)")
+    return dt
+
+
+def load_eval_ids(path: str) -> set[str]:
+    """Ids of the held-out retrieval pairs: a JSON list, or an object of lists (TiC's
+    ``{year: [uid, ...]}``: the keys are only informative, each pair's period is its date)."""
+    from pathlib import Path
+
+    from cvl.streams.table import load_json
+
+    p = Path(path)
+    if not p.is_file():
+        raise CvlError(f"--eval-ids: {p}: file not found")
+    d = load_json(p)
+    lists = d.values() if isinstance(d, dict) else [d]
+    out: set[str] = set()
+    for v in lists:
+        if not isinstance(v, list):
+            raise CvlError(f"--eval-ids {p}: expected a list of ids or an object of lists")
+        out.update(str(x) for x in v)
+    return out
+
+
+# -- the split rule -----------------------------------------------------------------------------
+class TimeSplit(SplitRule):
+    """One task per period (the first ``first_until`` periods merged), per-period held-out
+    retrieval sets (module docstring). The raw date of a row is ``row.meta[column]``."""
+
+    name = "time"
+
+    def __init__(
+        self,
+        column: str,
+        periods: Periods,
+        *,
+        fmt: str = "auto",
+        first_until: str | None = None,
+        since: str | None = None,
+        until: str | None = None,
+        test: int = 0,
+        val: int = 0,
+        limit: int | None = None,
+        eval_ids: set[str] | None = None,
+        seed: int = 0,
+    ) -> None:
+        if fmt not in FORMATS and "%" not in fmt:
+            raise CvlError(
+                f"--time-format must be {', '.join(FORMATS)} or a strptime pattern, got {fmt!r}"
+            )
+        if eval_ids is not None and test:
+            raise CvlError("--eval-ids gives the retrieval pairs: drop --test")
+        self.column, self.p, self.fmt = column, periods, fmt
+        self.first = periods.key_of_label(first_until, "--first-until") if first_until else None
+        self.since = periods.key_of_label(since, "--since") if since else None
+        self.until = periods.key_of_label(until, "--until") if until else None
+        self.test, self.val, self.limit, self.eval_ids, self.seed = (
+            test,
+            val,
+            limit,
+            eval_ids,
+            seed,
+        )
+        self.first_until = first_until
+        self.task_periods: dict[str, list[str]] = {}
+        self.counts: dict[str, dict[str, int]] = {}
+        self.unsampled = 0
+
+    # -- assign ---------------------------------------------------------------------------------
+    def assign(self, rows: list[Row], drop: Dropper) -> list[Row]:
+        by: dict[tuple[int, ...], list[Row]] = {}
+        for r in rows:
+            raw = r.meta.get(self.column)
+            try:
+                dt = parse_time(raw, self.fmt)
+            except ValueError:
+                drop("bad_date", r, detail=f"{self.column}={str(raw)[:80]!r}")
+                continue
+            if dt is None:
+                drop("missing_date", r, detail=f"no {self.column}")
+                continue
+            k = self.p.key(dt)
+            if self.since is not None and k < self.since:
+                drop("before_since", r, detail=self.p.label(k))
+                continue
+            if self.until is not None and k > self.until:
+                drop("after_until", r, detail=self.p.label(k))
+                continue
+            r.meta["period"] = self.p.label(k)
+            by.setdefault(k, []).append(r)
+        if not by:
+            return []
+        keys = sorted(by)
+        if self.first is not None and not any(k <= self.first for k in keys):
+            raise CvlError(
+                f"--first-until {self.first_until}: no dated pair up to it (the first period "
+                f"is {self.p.label(keys[0])})"
+            )
+        head = [k for k in keys if self.first is not None and k <= self.first] or keys[:1]
+        groups = [head] + [[k] for k in keys[len(head) :]]
+        out: list[Row] = []
+        pos = {id(r): i for i, r in enumerate(rows)}
+        for ti, group in enumerate(groups):
+            labels = [self.p.label(k) for k in group]
+            task = labels[0] if len(labels) == 1 else f"{labels[0]}-{labels[-1]}"
+            self.task_periods[task] = labels
+            rng = np.random.default_rng([self.seed, 2024, ti])
+            train: list[Row] = []
+            for k, lab in zip(group, labels):
+                rs = by[k]
+                for r in rs:
+                    r.task = task
+                if self.eval_ids is not None:
+                    held = [r for r in rs if r.id in self.eval_ids]
+                else:
+                    held = [rs[i] for i in sorted(rng.permutation(len(rs))[: self.test])]
+                ids = {id(r) for r in held}
+                for r in held:
+                    r.split = "test"
+                rest = [r for r in rs if id(r) not in ids]
+                train += rest
+                self.counts[lab] = {"task": task, "pairs": len(rs), "test": len(held)}
+                out += held
+            perm = rng.permutation(len(train))
+            for i in perm[: self.val]:
+                train[i].split = "val"
+            out += [r for r in train if r.split == "val"]
+            train = [r for r in train if r.split == "train"]
+            if self.limit is not None and len(train) > self.limit:
+                self.unsampled += len(train) - self.limit
+                train = [
+                    train[i] for i in sorted(rng.choice(len(train), self.limit, replace=False))
+                ]
+            for r in train:
+                self.counts[r.meta["period"]]["train"] = (
+                    self.counts[r.meta["period"]].get("train", 0) + 1
+                )
+            out += train
+        return sorted(out, key=lambda r: pos[id(r)])
+
+    def task_names(self) -> list[str]:
+        return list(self.task_periods)
+
+    def shard_group(self, row: Row) -> str | None:
+        """A task of several periods writes each period's pairs in a sub-folder."""
+        return row.meta.get("period") if len(self.task_periods[row.task or ""]) > 1 else None
+
+    def describe(self) -> str:
+        parts = [f"one task per period of '{self.column}' ({self.p.describe()})"]
+        if self.first is not None:
+            parts.append(f"periods up to {self.p.label(self.first)} merged into the first task")
+        held = "the pairs of --eval-ids" if self.eval_ids is not None else f"{self.test} pairs"
+        parts.append(f"{held} per period held out as its dynamic retrieval set (ret-PERIOD)")
+        if self.val:
+            parts.append(f"{self.val} val pairs per task")
+        if self.limit is not None:
+            parts.append(f"at most {self.limit} training pairs per task (seeded)")
+        return "; ".join(parts)
+
+    def summary(self) -> dict[str, Any]:
+        return {"periods_selected": self.counts, "unsampled": self.unsampled}
+
+    # -- the manifest's time layout --------------------------------------------------------------
+    def manifest_extra(
+        self, sets: dict[tuple[str, str, str | None], ShardSet], tasks: list[str]
+    ) -> dict[str, Any]:
+        """Benchmarks ``ret-PERIOD`` (each period's written test pairs) and the `time` field.
+        `sets`: the written sets by (split, task, period), period None for a whole set."""
+        layout = {t: self.task_periods[t] for t in tasks}
+        tests = {}
+        for t, ps in layout.items():
+            for p in ps:
+                ss = sets.get(("test", t, p)) or (
+                    sets.get(("test", t, None)) if len(ps) == 1 else None
+                )
+                if ss is not None:
+                    tests[p] = ss
+        return time_layout(layout, tests, unit=self.p.unit, column=self.column)
+
+
+def time_layout(
+    task_periods: dict[str, list[str]],
+    test_sets: dict[str, ShardSet],
+    *,
+    unit: str,
+    column: str | None,
+) -> dict[str, Any]:
+    """The manifest extras of a time-ordered stream: a benchmark per period with a test set,
+    and the `time` field (also used by the synthetic builder's time mode)."""
+    periods = [p for ps in task_periods.values() for p in ps]
+    bench = {
+        f"{BENCH_PREFIX}{p}": Benchmark(
+            "pairs", test_sets[p], f"dynamic retrieval set of period {p} (TiC-CLIP)"
+        )
+        for p in periods
+        if p in test_sets and test_sets[p].count
+    }
+    time = {
+        "unit": unit,
+        **({"column": column} if column else {}),
+        "periods": periods,
+        "tasks": task_periods,
+        "eval": {p: f"{BENCH_PREFIX}{p}" for p in periods if f"{BENCH_PREFIX}{p}" in bench},
+    }
+    return {"benchmarks": bench, "time": time}
+
+
+# -- command line (`cvl build-stream table`) ------------------------------------------------------
+_KEYS = ("time_col", "unit", "cuts", "first_until", "since", "until", "fmt_time", "eval_ids")
+
+
+def time_options(f):  # noqa: ANN001, ANN202
+    """The --time-col options of `cvl build-stream table`."""
+    opts = [
+        click.option(
+            "--time-col",
+            default=None,
+            help="Column with each pair's date: one task per period, in time order (TiC-CLIP's "
+            "time-ordered streams; see the options below and datasets/tic-datacomp.md). "
+            "--test N then holds out N pairs per period as its dynamic retrieval set.",
+        ),
+        click.option(
+            "--period",
+            "unit",
+            default="year",
+            show_default=True,
+            type=click.Choice(["year", "quarter", "month"]),
+            help="With --time-col: the period of a task.",
+        ),
+        click.option(
+            "--cuts",
+            default=None,
+            metavar="DATE,DATE,...",
+            help="With --time-col: periods are the intervals between these dates instead "
+            "(until-D1, D1, D2, ...; dates as 2017-01-01, 2017-06 or 2017).",
+        ),
+        click.option(
+            "--first-until",
+            default=None,
+            metavar="PERIOD",
+            help="With --time-col: merge every period up to PERIOD into the first task (TiC-DataComp: "
+            "--first-until 2016 = one first step on 2014-2016).",
+        ),
+        click.option(
+            "--since",
+            default=None,
+            metavar="PERIOD",
+            help="With --time-col: drop pairs before PERIOD.",
+        ),
+        click.option(
+            "--until",
+            default=None,
+            metavar="PERIOD",
+            help="With --time-col: drop pairs after PERIOD.",
+        ),
+        click.option(
+            "--time-format",
+            "fmt_time",
+            default="auto",
+            show_default=True,
+            help="How --time-col is read: auto (datetimes, ISO 8601, 4/6/8-digit years/YYYYMM/YYYYMMDD, "
+            "other numbers as Unix seconds), iso, epoch, epoch_ms, or a strptime pattern (%d.%m.%Y). "
+            "Missing or unreadable dates are dropped and counted, never guessed.",
+        ),
+        click.option(
+            "--eval-ids",
+            type=click.Path(dir_okay=False),
+            default=None,
+            help="With --time-col: JSON list (or {period: [ids]}) of the --id-col values held out as "
+            "the periods' retrieval sets instead of --test random pairs (TiC-DataComp's "
+            "tic-datacomp_retrieval_evals_year2uids.json).",
+        ),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def time_spec(kw: dict[str, Any]) -> dict[str, Any] | None:
+    """Pop the --time-col options from a command's kwargs: `build_table`'s `time`, or None
+    (an error when a time option is given without --time-col)."""
+    v = {k: kw.pop(k) for k in _KEYS}
+    if not v["time_col"]:
+        given = [f"--{k.replace('_', '-')}" for k in _KEYS[2:6] if v[k]]
+        given += ["--eval-ids"] if v["eval_ids"] else []
+        if given:
+            raise CvlError(f"{', '.join(given)}: only with --time-col")
+        return None
+    return {
+        "column": v["time_col"],
+        "unit": v["unit"],
+        "cuts": v["cuts"],
+        "first_until": v["first_until"],
+        "since": v["since"],
+        "until": v["until"],
+        "fmt": v["fmt_time"],
+        "eval_ids": v["eval_ids"],
+    }

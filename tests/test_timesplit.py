@@ -1,0 +1,214 @@
+"""Time-ordered streams (`cvl build-stream table --time-col`, cvl.streams.timesplit): dates
+read by explicit rules (missing and unreadable ones counted, never guessed), periods, the
+first "up to" task, per-period retrieval sets as benchmarks, the manifest's time layout and
+the build report's per-period counts."""
+
+from __future__ import annotations
+
+import csv
+import datetime as dt
+import json
+
+import pytest
+from PIL import Image
+
+from cvl.cli import main
+from cvl.errors import CvlError
+from cvl.streams.manifest import load_manifest
+from cvl.streams.timesplit import Periods, parse_time
+
+
+@pytest.mark.parametrize(
+    "value, want",
+    [
+        ("2014-03-05", dt.datetime(2014, 3, 5)),
+        ("2014-03-05T23:30:00Z", dt.datetime(2014, 3, 5, 23, 30)),
+        ("2014-03-05T23:30:00-02:00", dt.datetime(2014, 3, 6, 1, 30)),  # to UTC
+        ("2014/03/05", dt.datetime(2014, 3, 5)),
+        ("2014-03", dt.datetime(2014, 3, 1)),
+        ("2014", dt.datetime(2014, 1, 1)),
+        (2014, dt.datetime(2014, 1, 1)),
+        ("201403", dt.datetime(2014, 3, 1)),  # TiC's month names
+        ("20140305", dt.datetime(2014, 3, 5)),
+        (1394000000, dt.datetime(2014, 3, 5, 6, 13, 20)),  # Unix seconds (YFCC)
+        ("1394000000", dt.datetime(2014, 3, 5, 6, 13, 20)),
+        (dt.date(2014, 3, 5), dt.datetime(2014, 3, 5)),
+        (None, None),
+        ("  ", None),
+        (float("nan"), None),
+    ],
+)
+def test_parse_time_auto(value, want):
+    assert parse_time(value) == want
+
+
+@pytest.mark.parametrize("value", ["last summer", "2014-13-01", "201413", "2014-02-30", True])
+def test_unreadable_dates_raise(value):
+    with pytest.raises(ValueError, match="not a date"):
+        parse_time(value)
+
+
+def test_explicit_formats():
+    assert parse_time("1394000000000", "epoch_ms") == dt.datetime(2014, 3, 5, 6, 13, 20)
+    assert parse_time("2014", "epoch") == dt.datetime(1970, 1, 1, 0, 33, 34)  # no year guess
+    assert parse_time("05.03.2014", "%d.%m.%Y") == dt.datetime(2014, 3, 5)
+    with pytest.raises(ValueError):
+        parse_time("2014", "iso")
+
+
+def test_periods():
+    d = dt.datetime(2014, 8, 5)
+    q, m = Periods.make("quarter", None), Periods.make("month", None)
+    assert q.label(q.key(d)) == "2014-Q3" and m.label(m.key(d)) == "2014-08"
+    assert q.key_of_label("2014-Q2", "--first-until") == (2014, 2)
+    c = Periods.make("year", "2015,2016-07-01")
+    labels = [c.label(c.key(dt.datetime(*x))) for x in ((2014, 5, 1), (2015, 1, 1), (2016, 7, 2))]
+    assert labels == ["until-2015-01-01", "2015-01-01", "2016-07-01"]
+    with pytest.raises(CvlError, match="increasing"):
+        Periods.make("year", "2016,2015")
+    with pytest.raises(CvlError, match="not a date"):
+        Periods.make("year", "soon")
+
+
+def _table(tmp_path, rows) -> str:
+    """A CSV of local images (id, path, caption, date)."""
+    imgs = tmp_path / "imgs"
+    imgs.mkdir(exist_ok=True)
+    path = tmp_path / "meta.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["uid", "image", "caption", "date"])
+        for i, date in enumerate(rows):
+            Image.new("RGB", (16, 16), (i * 7 % 255, 40, 90)).save(imgs / f"{i}.jpg")
+            w.writerow([f"u{i}", f"imgs/{i}.jpg", f"picture {i}", date])
+    return str(path)
+
+
+def _build(tmp_path, rows, *extra) -> tuple:
+    out = tmp_path / "s"
+    argv = ["build-stream", "table", "--input", _table(tmp_path, rows), "--url-col", "image"]
+    argv += ["--caption-col", "caption", "--id-col", "uid", "--time-col", "date", "--quiet"]
+    assert main([*argv, *extra, "--out", str(out)]) in (0, None)
+    return load_manifest(out), json.loads((out / "build_report.json").read_text()), out
+
+
+def test_time_split_of_a_table_with_dates(tmp_path):
+    """4 pairs a year 2014-2017 + a missing, an unreadable and a 2019 date: 2014-2015 merged
+    into the first task, 1 retrieval pair per period held out, 2019 after --until 2017."""
+    rows = [f"{y}-0{k + 1}-15" for y in (2014, 2015, 2016, 2017) for k in range(4)]
+    rows += ["", "yesterday", "2019-01-01"]
+    m, rep, out = _build(
+        tmp_path, rows, "--first-until", "2015", "--until", "2017", "--test", "1", "--val", "1"
+    )
+    assert m.task_order == ["2014-2015", "2016", "2017"]
+    assert [m.tasks[t].train.count for t in m.task_order] == [5, 2, 2]  # 8 - 2 test - 1 val
+    assert m.time["periods"] == ["2014", "2015", "2016", "2017"]
+    assert m.time["tasks"] == {"2014-2015": ["2014", "2015"], "2016": ["2016"], "2017": ["2017"]}
+    assert m.time["eval"] == {p: f"ret-{p}" for p in m.time["periods"]}
+    assert {b: x.shards.count for b, x in m.benchmarks.items()} == dict.fromkeys(
+        ("ret-2014", "ret-2015", "ret-2016", "ret-2017"), 1
+    )
+    # the merged task's test set = its periods' retrieval sets (one sub-folder each)
+    assert m.eval_sets["test"].tasks["2014-2015"].count == 2
+    assert m.benchmarks["ret-2015"].shards.shards == ["eval/test/2014-2015/2015/000000.tar"]
+    assert m.benchmarks["ret-2016"].shards.shards == m.eval_sets["test"].tasks["2016"].shards
+    assert rep["dropped"] == {"missing_date": 1, "bad_date": 1, "after_until": 1}
+    p14, p15 = rep["time"]["periods"]["2014"], rep["time"]["periods"]["2015"]
+    assert p14["task"] == p15["task"] == "2014-2015" and p14["test"] == p15["test"] == 1
+    assert (p14["train"] + p15["train"], p14["val"] + p15["val"]) == (5, 1)
+    assert rep["time"]["periods"]["2016"] == {"task": "2016", "train": 2, "val": 1, "test": 1}
+    # each sample keeps its raw date and its period
+    import webdataset as wds
+
+    meta = [
+        json.loads(s["json"])
+        for s in wds.WebDataset(
+            str(out / m.benchmarks["ret-2015"].shards.shards[0]), shardshuffle=False
+        )
+    ]
+    assert meta[0]["period"] == "2015" and meta[0]["date"].startswith("2015-")
+
+
+def test_time_split_quarters_and_options(tmp_path, capsys):
+    rows = ["2014-01-05", "2014-02-05", "2014-05-05", "2014-06-05", "2014-11-05", "2014-12-05"]
+    m, rep, _ = _build(tmp_path, rows, "--period", "quarter", "--since", "2014-Q2")
+    assert m.task_order == ["2014-Q2", "2014-Q4"] and not m.benchmarks
+    assert rep["dropped"] == {"before_since": 2}
+    argv = ["build-stream", "table", "--input", str(tmp_path / "meta.csv"), "--url-col", "image"]
+    argv += ["--caption-col", "caption", "--first-until", "2016", "--out", str(tmp_path / "o")]
+    assert main(argv) == 2
+    assert "--first-until: only with --time-col" in capsys.readouterr().err
+
+
+def _ids(tmp_path):
+    f = tmp_path / "ids.json"
+    f.write_text(json.dumps({"2014": ["u0"]}))
+    return f
+
+
+def test_time_col_refuses_other_splits(tmp_path):
+    from cvl.streams.pipeline import BuildOptions
+    from cvl.streams.table import build_table
+
+    p = _table(tmp_path, ["2014"])
+    opts = BuildOptions(out=tmp_path / "o", progress=False, log=lambda m: None)
+    with pytest.raises(CvlError, match="drop --task-col"):
+        build_table(
+            [p],
+            opts,
+            url_col="image",
+            caption_col="caption",
+            task_col="uid",
+            time={"column": "date"},
+        )
+    with pytest.raises(CvlError, match="drop --test"):
+        build_table(
+            [p],
+            opts,
+            url_col="image",
+            caption_col="caption",
+            test=3,
+            time={"column": "date", "eval_ids": str(_ids(tmp_path))},
+        )
+    with pytest.raises(CvlError, match="no dated pair up to it"):
+        build_table(
+            [p],
+            opts,
+            url_col="image",
+            caption_col="caption",
+            time={"column": "date", "first_until": "2010"},
+        )
+
+
+def test_time_split_of_webdataset_shards(tmp_path):
+    """img2dataset's output (KEY.jpg / KEY.txt / KEY.json with its saved columns) as the source:
+    the images are read from the shard, the date from KEY.json; a sample with no date is counted."""
+    import io
+
+    import webdataset as wds
+
+    shard = tmp_path / "00000.tar"
+    with wds.TarWriter(str(shard)) as w:
+        for i, ts in enumerate(["2015-03-01", "2015-06-01", "2016-01-02", "2016-02-02", None]):
+            buf = io.BytesIO()
+            Image.new("RGB", (20, 20), (200, 10 * i, 40)).save(buf, format="JPEG")
+            meta = {"uid": f"u{i}", "url": f"http://x/{i}.jpg", "status": "success"}
+            w.write(
+                {"__key__": f"{i:09d}", "jpg": buf.getvalue(), "txt": f"pic {i}"}
+                | {"json": json.dumps(meta | ({"timestamp": ts} if ts else {})).encode()}
+            )
+    out = tmp_path / "s"
+    argv = ["build-stream", "table", "--input", str(shard), "--url-col", "jpg", "--caption-col"]
+    argv += ["txt", "--id-col", "uid", "--time-col", "timestamp", "--test", "1", "--quiet"]
+    assert main([*argv, "--out", str(out)]) in (0, None)
+    m = load_manifest(out)
+    assert m.task_order == ["2015", "2016"] and [m.tasks[t].train.count for t in m.task_order] == [
+        1,
+        1,
+    ]
+    rep = json.loads((out / "build_report.json").read_text())
+    assert rep["dropped"] == {"missing_date": 1} and "download" not in rep  # nothing fetched
+    from cvl.data.reader import PairDataset
+
+    ((_, cap, meta),) = [PairDataset.from_shards(m.train_shards("2016")).read_raw(0)]
+    assert cap.startswith("pic ") and meta["timestamp"].startswith("2016")

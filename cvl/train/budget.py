@@ -189,7 +189,7 @@ def probe_step(trainer: Any, ctx: Any, batches: list[dict]) -> dict[str, float]:
     state = state_copy(trainer._method_state(ctx))
     saved = (ctx.step, ctx.global_step, ctx.epoch, ctx.generator, ctx.resuming)
     params = trainer._params()
-    opt, _ = optimizer_with_schedule(params, cfg, max(1, ctx.steps_in_task))
+    opt, _ = optimizer_with_schedule(params, cfg, max(1, ctx.steps_in_task), ctx.task_name)
     tracker.probing = ctx.probing = True
     try:
         with _fork_rng(dev):

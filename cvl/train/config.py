@@ -52,6 +52,14 @@ class TrainConfig:
     log_every: int = 10  # optimizer steps per train_log.jsonl line (each averages its steps)
     log_with: str = "auto"  # auto (tensorboard if installed) | tensorboard | wandb | none
     max_steps_per_task: int = 0  # debugging / smoke tests: stop each task early (0 = off)
+    steps_per_task: int = (
+        0  # train every task exactly N optimizer steps (epochs as needed; 0 = by --epochs)
+    )
+    task_lr: dict[str, float] = field(default_factory=dict)  # task name -> peak lr (else --lr)
+    base_loss: str = "itc"  # itc | class-ce (cvl.methods.base.BASE_LOSSES)
+    base_loss_args: dict[str, Any] = field(
+        default_factory=dict
+    )  # class-ce: scale, smoothing, template
     select: str = "auto"  # auto | last | best-val: which weights end a task (cvl.train.selection)
     skip_nonfinite: int = 0  # optimizer steps with a NaN/Inf loss to skip before stopping
     grad_checkpointing: bool = False  # recompute activations in backward (memory for compute)
@@ -66,6 +74,27 @@ class TrainConfig:
         for k in pos:
             if getattr(self, k) <= 0:
                 raise CvlError(f"--{k.replace('_', '-')} must be positive, got {getattr(self, k)}")
+        if self.steps_per_task < 0 or self.max_steps_per_task < 0:
+            raise CvlError("--steps-per-task and --max-steps-per-task must be >= 0")
+        if self.steps_per_task and self.budget:
+            raise CvlError(
+                "give --steps-per-task or --budget, not both (both fix each task's steps)"
+            )
+        if not isinstance(self.task_lr, dict):
+            raise CvlError("task_lr must be a mapping of task name: learning rate")
+        try:
+            self.task_lr = {str(k): float(v) for k, v in self.task_lr.items()}
+        except (TypeError, ValueError):
+            raise CvlError(
+                f"--task-lr: learning rates must be numbers, got {self.task_lr}"
+            ) from None
+        bad = [k for k, v in self.task_lr.items() if v <= 0]
+        if bad:
+            raise CvlError(f"--task-lr {bad[0]}: the learning rate must be positive")
+        from cvl.methods.base import resolve_base_loss_args
+
+        args = resolve_base_loss_args(self.base_loss, self.base_loss_args)
+        self.base_loss_args = {k: args[k] for k in self.base_loss_args}  # typed
         if self.skip_nonfinite < 0:
             raise CvlError(f"--skip-nonfinite must be >= 0, got {self.skip_nonfinite}")
         if self.workers < -1:
@@ -155,8 +184,8 @@ def resolve(yaml_path: str | None, overrides: dict[str, Any]) -> TrainConfig:
     if yaml_path:
         base = load_yaml(yaml_path)
     merged = {}
-    for key in ("method_args", "tune_args"):  # NAME=VALUE maps: the CLI adds to the YAML's
-        merged[key] = dict(base.get(key) or {})
+    for key in ("method_args", "tune_args", "base_loss_args", "task_lr"):  # NAME=VALUE maps:
+        merged[key] = dict(base.get(key) or {})  # the CLI adds to the YAML's
         merged[key].update(overrides.pop(key, None) or {})
     base.update(overrides)
     base.update(merged)
@@ -198,7 +227,17 @@ def parse_method_args(
 # Result-changing keys a `--force` resume may change in the middle of a task: the optimizer's
 # and the schedule's settings, applied from the resumed step on (the optimizer's moments and
 # the step count carry on). Any other change needs the task to start again (delete last/).
-MIDTASK_KEYS = {"lr", "min_lr", "warmup", "weight_decay", "beta1", "beta2", "eps", "grad_clip"}
+MIDTASK_KEYS = {
+    "lr",
+    "task_lr",
+    "min_lr",
+    "warmup",
+    "weight_decay",
+    "beta1",
+    "beta2",
+    "eps",
+    "grad_clip",
+}
 
 
 def config_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:

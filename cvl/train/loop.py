@@ -149,10 +149,21 @@ class Trainer(RunFolder, NonFiniteGuards):
                 "--grad-checkpointing and --grad-accum (README: Scaling up)"
             )
         self.manifest: Manifest = load_manifest(cfg.stream)
+        unknown = sorted(set(cfg.task_lr) - set(self.manifest.tasks))
+        if unknown:
+            raise CvlError(
+                f"--task-lr {unknown[0]}: stream '{self.manifest.name}' has no such task "
+                f"(tasks: {', '.join(self.manifest.task_order)})"
+            )
         self.cost = CostTracker(self.acc.device)  # FLOPs, memory, time (cvl.train.cost)
         self.budget = parse_budget(cfg.budget)
         self.method_cls = get_method(cfg.method)
         self.method: Method = self.method_cls(cfg.method_args)
+        if cfg.base_loss != "itc" and getattr(self.method, "itc_only", False):
+            raise CvlError(
+                f"method '{cfg.method}' trains with its own contrastive objective: "
+                f"--base-loss {cfg.base_loss} is not available for it (use --base-loss itc)"
+            )
         if self.method.needs_buffer and not cfg.buffer:
             hint = getattr(self.method, "buffer_hint", "reservoir")
             raise CvlError(
@@ -338,8 +349,8 @@ class Trainer(RunFolder, NonFiniteGuards):
         ps = [p for p in self.model.parameters() if p.requires_grad]
         return ps + [p for p in self.method.extra_parameters() if p.requires_grad]
 
-    def _optimizer(self, steps: int):
-        opt, sched = optimizer_with_schedule(self._params(), self.cfg, steps)
+    def _optimizer(self, steps: int, task: str | None = None):
+        opt, sched = optimizer_with_schedule(self._params(), self.cfg, steps, task)
         self._opt = self.acc.prepare_optimizer(opt, device_placement=False)
         return self._opt, sched
 
@@ -376,6 +387,8 @@ class Trainer(RunFolder, NonFiniteGuards):
         batches_per_epoch = len(global_batches(len(ds), gb, 0, 0))
         steps_per_epoch = max(1, batches_per_epoch // cfg.grad_accum)
         total = steps_per_epoch * cfg.epochs
+        if cfg.steps_per_task:  # a fixed number of iterations, as many epochs as they take
+            total = cfg.steps_per_task
         if cfg.max_steps_per_task:
             total = min(total, cfg.max_steps_per_task)
         ctx.steps_in_task = total
@@ -385,7 +398,7 @@ class Trainer(RunFolder, NonFiniteGuards):
         elif cfg.compile and self.cost.enabled and not self.cost.has_step:
             measure_step(self, ctx, ds, gb)  # compiled graphs hide their ops: count eagerly
         count_step = self.cost.enabled and not self.cost.has_step
-        opt, sched = self._optimizer(total)
+        opt, sched = self._optimizer(total, name)
         epoch0, batch0 = 0, 0
         if pos is not None:
             last = self.out / LAST
@@ -411,10 +424,13 @@ class Trainer(RunFolder, NonFiniteGuards):
         seed_task = sample_seed(cfg.seed, ti)
         n_batches = len(global_batches(len(ds), gb, seed_task, 0))
         usable = (n_batches // cfg.grad_accum) * cfg.grad_accum or n_batches
+        epochs = cfg.epochs
+        if cfg.steps_per_task:
+            epochs = -(-total // max(1, usable // cfg.grad_accum))
 
         def plan():  # the global batches still to train, over all epochs (lazy), no more
             left = max(0, total - ctx.step) * cfg.grad_accum
-            for e in range(epoch0, cfg.epochs):
+            for e in range(epoch0, epochs):
                 bs = global_batches(len(ds), gb, seed_task, e)[:usable]
                 take = bs[(batch0 if e == epoch0 else 0) :][:left]
                 left -= len(take)
@@ -433,7 +449,7 @@ class Trainer(RunFolder, NonFiniteGuards):
         )
         window = _LogWindow(acc.device)
         done = ctx.step >= total
-        for epoch in range(epoch0, cfg.epochs):
+        for epoch in range(epoch0, epochs):
             if done:
                 break
             ctx.epoch = epoch

@@ -23,10 +23,19 @@ def cosine_schedule(total: int, warmup: float, base_lr: float, min_lr: float):
     return f
 
 
-def optimizer_with_schedule(params: list, cfg: Any, steps: int):
+def task_lr(cfg: Any, task: str | None) -> float:
+    """The peak learning rate of `task`: its `task_lr` entry (the ZSCL scripts give Aircraft
+    and MNIST 5e-5, the others 1e-5), else `lr`."""
+    per = getattr(cfg, "task_lr", None) or {}
+    return float(per.get(task, cfg.lr)) if task is not None else float(cfg.lr)
+
+
+def optimizer_with_schedule(params: list, cfg: Any, steps: int, task: str | None = None):
     """The training optimizer + warm-up/cosine lr: AdamW, or (`optimizer: lamb`) LAMB (You et
     al. 2020; timm's, with no clipping of its own: `grad_clip` does that), no weight decay on
-    gains, biases and scales (LAMB's trust ratio only where weights decay, as NVLAMB)."""
+    gains, biases and scales (LAMB's trust ratio only where weights decay, as NVLAMB). The peak
+    rate is `task_lr(cfg, task)`."""
+    lr = task_lr(cfg, task)
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
     groups = [
@@ -37,11 +46,11 @@ def optimizer_with_schedule(params: list, cfg: Any, steps: int):
     if getattr(cfg, "optimizer", "adamw") == "lamb":
         from timm.optim import Lamb
 
-        opt = Lamb(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, max_grad_norm=None)
+        opt = Lamb(groups, lr=lr, betas=betas, eps=cfg.eps, max_grad_norm=None)
     else:
-        opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
+        opt = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=cfg.eps)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, cosine_schedule(steps, cfg.warmup, cfg.lr, cfg.min_lr)
+        opt, cosine_schedule(steps, cfg.warmup, lr, cfg.min_lr)
     )
     return opt, sched
 

@@ -285,9 +285,9 @@ class RunFolder:
                 f"({why}); delete {last}/ to restart the task from its beginning "
                 "(finished tasks are kept)"
             ) from None
-        self._apply_forced_settings(opt, sched, total)
+        self._apply_forced_settings(opt, sched, total, ctx.task_name)
 
-    def _apply_forced_settings(self, opt: Any, sched: Any, total: int) -> None:
+    def _apply_forced_settings(self, opt: Any, sched: Any, total: int, task: str) -> None:
         """After a --force resume that changed lr, min_lr, warmup, weight decay, betas or eps:
         this config's settings and schedule from the resumed step on (the loaded state holds
         the old ones). The optimizer's moments and the step count are kept."""
@@ -295,7 +295,7 @@ class RunFolder:
 
         if not (getattr(self, "_forced", set()) & MIDTASK_KEYS):
             return
-        fresh, fresh_sched = optimizer_with_schedule(self._params(), self.cfg, total)
+        fresh, fresh_sched = optimizer_with_schedule(self._params(), self.cfg, total, task)
         for g, f in zip(opt.param_groups, fresh.param_groups):
             g.update({k: v for k, v in f.items() if k != "params"})
         sched.base_lrs = list(fresh_sched.base_lrs)

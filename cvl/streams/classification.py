@@ -166,9 +166,7 @@ def build_classification(
         if lst.split_rule:
             note["split"] = lst.split_rule
         for path in lst.missing:
-            drop(
-                "missing_file", where=path, detail=f"{task}: listed by the split file, not on disk"
-            )
+            drop("missing_file", where=path, detail=f"{task}: {path} is listed, not on disk")
         report.read += len(lst.samples) + len(lst.missing)
         if shots:
             left, short = few_shot(lst, shots, opts.seed, task)

@@ -216,7 +216,7 @@ def class_text_ce(
     image: torch.Tensor,
     class_text: torch.Tensor,
     labels: torch.Tensor,
-    scale: float,
+    scale: torch.Tensor | float,
     smoothing: float = 0.0,
 ) -> torch.Tensor:
     """Cross-entropy of each image over the class-text embeddings, averaged over the rows of

@@ -130,26 +130,33 @@ class _TextModel(torch.nn.Module):
 
 def test_base_terms_class_ce_defaults_are_the_zscl_codes():
     """--base-loss class-ce: every class of the current task (not only the batch's), its first
-    template, logit scale 100 and label smoothing 0.2 (ZSCL's scripts); cos = ±0.01 gives the
-    hand value of scale 1 at scale 100. A wrong scale, smoothing or class set fails."""
+    template, the model's logit scale (100 for OpenAI's CLIP) and label smoothing 0.2 (ZSCL's
+    scripts); cos = ±0.01 gives the hand value of scale 1 at scale 100. A wrong scale,
+    smoothing or class set fails."""
     from cvl.methods.base import base_terms
 
     ctx = _ctx({"d": (["d/x", "d/y", "d/z"], ["a {}", "the {}"])})
     ctx.model = _TextModel({"a x": [0.01, 0.0], "a y": [0.0, 0.0], "a z": [-0.01, 0.0]})
     out = {"image_features": torch.tensor([[1.0, 0.0], [1.0, 0.0]])}
+    out["logit_scale"] = torch.tensor(100.0, requires_grad=True)  # OpenAI CLIP's exp(4.6052)
     batch = {"category": ["d/x", "d/x"]}  # the batch holds class x only
     t = base_terms(batch, out, ctx)
     assert list(t) == ["class_ce"] and ctx.model.seen == [["a x", "a y", "a z"]]
     want = _lse([1, 0, -1]) - (0.8 * 1 + 0.2 * 0)  # 0.6076...
     assert float(t["class_ce"].detach()) == pytest.approx(want, rel=1e-5)
-    ctx.config.base_loss_args = {"smoothing": 0.0, "template": 1}
+    out["logit_scale"] = torch.tensor(50.0)  # the model's scale is the default ...
+    half = _lse([0.5, 0, -0.5]) - (0.8 * 0.5 + 0.2 * 0)
+    assert float(base_terms(batch, out, ctx)["class_ce"].detach()) == pytest.approx(half, rel=1e-5)
+    ctx.config.base_loss_args = {"scale": 100}  # ... unless fixed
+    assert float(base_terms(batch, out, ctx)["class_ce"].detach()) == pytest.approx(want, rel=1e-5)
+    ctx.config.base_loss_args = {"smoothing": 0.0, "template": 1, "scale": 100}
     ctx.model.table.update({"the x": [0.01, 0.0], "the y": [0.0, 0.0], "the z": [-0.01, 0.0]})
     assert float(base_terms(batch, out, ctx)["class_ce"].detach()) == pytest.approx(
         _lse([1, 0, -1]) - 1
     )
     assert ctx.model.seen[-1] == ["the x", "the y", "the z"]
     ctx.config.base_loss = "itc"
-    out.update(text_features=out["image_features"], logit_scale=torch.tensor(1.0))
+    out.update(text_features=out["image_features"])
     assert list(base_terms(batch, out, ctx)) == ["itc"]
 
 
@@ -161,6 +168,8 @@ def test_base_loss_arguments_are_checked():
         resolve_base_loss_args("class-ce", {"temp": 1})
     with pytest.raises(CvlError, match=r"smoothing must be in \[0, 1\)"):
         resolve_base_loss_args("class-ce", {"smoothing": 1.5})
+    with pytest.raises(CvlError, match="scale must be > 0"):
+        resolve_base_loss_args("class-ce", {"scale": -1})
     with pytest.raises(CvlError, match="--base-loss must be one of itc, class-ce"):
         resolve_base_loss_args("ce", {})
     from cvl.classtext import task_label_space
@@ -190,7 +199,8 @@ def cls_stream(tmp_path_factory):
 
 def test_steps_per_task_and_task_lr(cls_stream, tmp_path):
     """--steps-per-task 5 with 2 batches per epoch: 5 steps over 3 epochs on every task; the
-    schedule spans the 5 steps; --task-lr gives one task its own peak rate."""
+    schedule spans the 5 steps; --task-lr gives one task its own peak rate; the logit scale is
+    not trained (the ZSCL code leaves it out of its optimizer)."""
     kw = dict(FAST, base_loss="class-ce", steps_per_task=5, batch_size=16, lr=1e-3)
     train_run(cls_stream, tmp_path / "r", kw, task_lr={"synth1": 1e-2}, method="seqft")
     for i in range(3):
@@ -200,6 +210,12 @@ def test_steps_per_task_and_task_lr(cls_stream, tmp_path):
         assert "class_ce" in log[0] and "itc" not in log[0]
         peak = 1e-2 if i == 1 else 1e-3
         assert log[0]["lr"] == pytest.approx(peak)  # no warm-up: step 1 at the peak
+    from safetensors.torch import load_file
+
+    w0 = load_file(str(tmp_path / "r" / "init" / "model.safetensors"))
+    w3 = load_file(str(tmp_path / "r" / "tasks" / "02-synth2" / "model.safetensors"))
+    assert torch.equal(w0["clip.logit_scale"], w3["clip.logit_scale"])
+    assert not torch.equal(w0["clip.ln_final.weight"], w3["clip.ln_final.weight"])
     with pytest.raises(CvlError, match="--task-lr nope: stream .* has no such task"):
         train_run(cls_stream, tmp_path / "bad", kw, task_lr={"nope": 1e-3})
     with pytest.raises(CvlError, match="method 'ctp' trains with its own contrastive"):

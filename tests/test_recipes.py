@@ -20,7 +20,7 @@ import pytest
 from device_helpers import dist_env
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
-PAPER_RECIPES = ["ctp_p9d.sh", "incclip_cc12m.sh", "modx.sh", "dha_citm.sh", "dkr.sh"]
+PAPER_RECIPES = ["ctp_p9d.sh", "incclip_cc12m.sh", "modx.sh", "dha_citm.sh", "dkr.sh", "mtil.sh"]
 
 
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
@@ -87,6 +87,7 @@ CTP = "joint seqft ewc si mas afec rwalk lwf ctp er mof kmeans icarl lucir ctp-e
 INCCLIP = "er lucir geodl co2l incclip"
 MODX = "seqft ewc lwf der modx joint"
 DKR = "joint zeroshot seqft ewc lwf erl afc modx dkr"
+MTIL = "zeroshot seqft lwf icarl wise zscl ties seqft-lora"  # the smoke's default methods
 # recipe -> {setting folder: (methods in table order, task count, benchmarks)}
 SMOKES = {
     "ctp_p9d.sh": {s: (CTP, 9, []) for s in ("default", "reversed")},
@@ -105,6 +106,7 @@ SMOKES = {
         "s1": (DKR, 5, []),
         "s2": (DKR, 5, ["f30k-1k", "coco-5k", "ec-5k"]),
     },
+    "mtil.sh": {"order1": (MTIL, 3, [])},
 }
 
 
@@ -134,6 +136,10 @@ def test_recipe_smoke(name, tmp_path):
         assert len(stream["task_order"]) == n_tasks
         manifest = json.loads((Path(stream["path"]) / "stream.json").read_text())
         assert list(manifest.get("benchmarks") or {}) == bench
+    if name == "mtil.sh":  # ZSCL Table 1's columns, MTIL's and X-TAIL's
+        for row in json.loads((out / "order1" / "compare" / "compare.json").read_text())["runs"]:
+            for k in ("Transfer", "Avg.", "Last"):
+                assert 0.0 <= row[f"MTIL {k}"] <= 100.0 and 0.0 <= row[f"X-TAIL {k}"] <= 100.0
     if name == "modx.sh":
         for setting in SMOKES[name]:
             assert (out / setting / "runs" / "seqft" / "analysis").is_dir()

@@ -31,12 +31,23 @@ from cvl.losses import class_text_ce, clip_loss
 from cvl.methods.registry import get_method
 
 #: `--base-loss` choices and their `--base-loss-arg` defaults. class-ce: the ZSCL code's MTIL
-#: objective (a fixed logit scale of 100, the pre-trained CLIP's, never trained there; label
-#: smoothing 0.2, every script's `--ls 0.2`; the dataset's first template).
+#: objective: logits = the model's own logit scale (the code's `logit_scale.exp()`, a parameter
+#: it leaves out of its optimizer: 100 for OpenAI's CLIP; cvl freezes it too) × cosine, or a
+#: fixed `scale` > 0; label smoothing 0.2 (every script's `--ls 0.2`); the first template.
 BASE_LOSSES: dict[str, dict[str, Any]] = {
     "itc": {},
-    "class-ce": {"scale": 100.0, "smoothing": 0.2, "template": 0},
+    "class-ce": {"scale": 0.0, "smoothing": 0.2, "template": 0},
 }
+
+
+def freeze_logit_scale(model: nn.Module) -> list[str]:
+    """Take the model's learnable logit scale out of training (the ZSCL code never trains it);
+    returns the parameter names frozen."""
+    names = [n for n, p in model.named_parameters() if n.split(".")[-1] == "logit_scale"]
+    for n, p in model.named_parameters():
+        if n in names:
+            p.requires_grad_(False)
+    return names
 
 
 def resolve_base_loss_args(name: str, args: dict[str, Any]) -> dict[str, Any]:
@@ -54,6 +65,10 @@ def resolve_base_loss_args(name: str, args: dict[str, Any]) -> dict[str, Any]:
             raise CvlError(f"--base-loss-arg {k}={v!r} is not a {type(out[k]).__name__}") from None
     if name == "class-ce" and not 0.0 <= out["smoothing"] < 1.0:
         raise CvlError(f"--base-loss-arg smoothing must be in [0, 1), got {out['smoothing']}")
+    if name == "class-ce" and out["scale"] < 0:
+        raise CvlError(
+            f"--base-loss-arg scale must be > 0 (0: the model's own), got {out['scale']}"
+        )
     return out
 
 
@@ -328,8 +343,9 @@ def base_terms(
     - ``itc``: symmetric InfoNCE over the global batch, ``{"itc": ...}``;
     - ``class-ce``: cross-entropy of each image over the text embeddings of *all* the current
       task's classes, its first template filled with each class name (`cvl.classtext`),
-      with gradient into the text tower, logits = `scale`·cos, label smoothing `smoothing`;
-      rows of other tasks' classes (replayed items) take no part; ``{"class_ce": ...}``.
+      with gradient into the text tower, logits = s·cos with s the model's logit scale (not
+      trained: `freeze_logit_scale`) or `scale` when > 0, label smoothing `smoothing`; rows of
+      other tasks' classes (replayed items) take no part; ``{"class_ce": ...}``.
     """
     cfg = ctx.config
     if getattr(cfg, "base_loss", "itc") != "class-ce":
@@ -346,7 +362,8 @@ def base_terms(
     image = out["image_features"]
     w = class_text_features(ctx.model, space, a["template"])
     labels = space.labels(batch["category"], image.device)
-    return {"class_ce": class_text_ce(image, w.to(image.dtype), labels, a["scale"], a["smoothing"])}
+    scale = a["scale"] or out["logit_scale"].detach()
+    return {"class_ce": class_text_ce(image, w, labels, scale, a["smoothing"])}
 
 
 def mlm_term(model: Any, batch: dict[str, Any], out: dict[str, torch.Tensor], ctx: TaskContext):

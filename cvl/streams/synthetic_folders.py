@@ -4,12 +4,17 @@ CPU smoke of `recipes/mtil.sh`, tests), drawn like the synthetic stream.
 Writes **data folders, not a stream**: ``OUT/synthK/{train,test}/SHAPE/NNNN.jpg`` for K = 0..D−1,
 the image-folder layout `cvl build-stream classification` reads. Dataset K is the synthetic
 stream's domain K with ``--overlap 0`` (`synthetic.task_domains`): its own shapes (the classes)
-and its own drawing style and background tint, colours, sizes, positions and backgrounds drawn
-at random, so the datasets share no class, as MTIL's do not. ``--pretrain N`` also writes, in
-``OUT/pretrain/``, the synthetic stream's pretraining set over the same domains (captions such
-as "a large red outlined hexagon at the top left on a striped background"): a CLIP_0 trained
-on it knows every shape, as CLIP knows the MTIL classes before MTIL, and it doubles as ZSCL's
-reference set. Same arguments → the same bytes.
+and its own drawing style and background tint, colours and backgrounds drawn at random, so the
+datasets share no class, as MTIL's do not. Like the photos of a classification dataset the
+pictures are iconic: the shape large and near the centre (``iconic=False``: any size and
+position, as the synthetic stream draws them).
+
+``--pretrain N`` also writes ``OUT/pretrain/{train,test}/SHAPE/``: about N training images over
+the shapes of *all* datasets, each drawn in a style and tint chosen at random among all the
+datasets' (so no dataset's look is new to it, but none is its own either). A CLIP_0 trained on
+it (`cvl build-stream classification --datasets pretrain`, then `--base-loss class-ce`) knows
+every class name before the sequence starts, as CLIP knows the MTIL classes, and the same
+stream is ZSCL's reference set. Same arguments → the same bytes.
 """
 
 from __future__ import annotations
@@ -22,16 +27,20 @@ import numpy as np
 from cvl.errors import CvlError
 from cvl.io import atomic_dir
 from cvl.streams.options import positive
-from cvl.streams.synthetic import (
-    SynthSpec,
-    build_synthetic,
-    plan_sample,
-    render_sample,
-    task_domains,
-)
+from cvl.streams.synthetic import SIZES, SS, SynthSpec, plan_sample, render_sample, task_domains
 from cvl.streams.writer import encode_jpeg
 
 PRETRAIN = "pretrain"
+
+
+def _draw(spec: SynthSpec, dom: dict, rng: np.random.Generator, iconic: bool) -> bytes:
+    """One JPEG of `dom` (a domain with one shape); iconic: large, near the centre."""
+    p = plan_sample(spec, dom, rng)
+    if iconic:  # the same jitter as the stream's positions and sizes
+        p["size"], p["pos"] = "large", "center"
+        p["cx"], p["cy"] = 0.5 + rng.uniform(-0.04, 0.04, 2)
+        p["rad"] = SIZES["large"] * rng.uniform(0.9, 1.1) * spec.image_size * SS
+    return encode_jpeg(render_sample(spec.image_size, p)[0])
 
 
 def build_synthetic_folders(
@@ -43,47 +52,49 @@ def build_synthetic_folders(
     image_size: int = 32,
     pretrain: int = 0,
     seed: int = 0,
-    progress: bool = False,
+    iconic: bool = True,
 ) -> list[str]:
     """Write the folders (atomically); returns the dataset names in order."""
     for k, v in (("datasets", datasets), ("classes", classes), ("image-size", image_size)):
         if v <= 0:
             raise CvlError(f"--{k} must be positive, got {v}")
-    if train_per_class <= 0 or test_per_class <= 0:
-        raise CvlError("--train-per-class and --test-per-class must be positive")
+    if train_per_class <= 0 or test_per_class <= 0 or pretrain < 0:
+        raise CvlError("--train-per-class and --test-per-class must be positive, --pretrain >= 0")
     spec = SynthSpec(
         tasks=datasets,
-        per_task=1,
-        test_per_task=0,
-        val_per_task=0,
-        query_per_task=0,
-        gallery_per_task=0,
         image_size=image_size,
         shapes_per_task=classes,
         overlap=0,
-        pretrain=pretrain,
         seed=seed,
     )
     doms = task_domains(spec)
     names = [f"synth{t}" for t in range(datasets)]
-    counts = {"train": train_per_class, "test": test_per_class}
     with atomic_dir(out, kind="synthetic-classes") as tmp:
         for t, dom in enumerate(doms):
             for c, shape in enumerate(dom["shapes"]):
                 one = {**dom, "shapes": [shape]}  # every draw of this class is this shape
-                for s_i, (split, n) in enumerate(counts.items()):
+                for s_i, (split, n) in enumerate(
+                    (("train", train_per_class), ("test", test_per_class))
+                ):
                     rng = np.random.default_rng([seed, 31, t, c, s_i])
                     folder = tmp / names[t] / split / shape
                     folder.mkdir(parents=True)
                     for i in range(n):
-                        img, _, _ = render_sample(image_size, plan_sample(spec, one, rng))
-                        (folder / f"{i:04d}.jpg").write_bytes(encode_jpeg(img))
+                        (folder / f"{i:04d}.jpg").write_bytes(_draw(spec, one, rng, iconic))
         if pretrain:
-            build_synthetic(tmp / "_stream", spec, name=PRETRAIN, progress=progress)
-            (tmp / "_stream" / PRETRAIN).rename(tmp / PRETRAIN)
-            import shutil
-
-            shutil.rmtree(tmp / "_stream")
+            shapes = [s for d in doms for s in d["shapes"]]
+            looks = [(d["style"], d["tint"]) for d in doms]
+            per = {"train": max(1, pretrain // len(shapes))}
+            per["test"] = max(2, per["train"] // 4)
+            for c, shape in enumerate(shapes):
+                for s_i, (split, n) in enumerate(per.items()):
+                    rng = np.random.default_rng([seed, 37, c, s_i])
+                    folder = tmp / PRETRAIN / split / shape
+                    folder.mkdir(parents=True)
+                    for i in range(n):
+                        style, tint = looks[int(rng.integers(len(looks)))]
+                        dom = {"shapes": [shape], "style": style, "tint": tint}
+                        (folder / f"{i:04d}.jpg").write_bytes(_draw(spec, dom, rng, iconic))
     return names
 
 
@@ -102,10 +113,16 @@ def build_synthetic_folders(
     "--pretrain",
     default=0,
     show_default=True,
-    help="Pairs of a pretraining stream over the same domains, in OUT/pretrain/ (0 = none).",
+    help="Training images (about) of OUT/pretrain/: every dataset's shapes in mixed looks (0 = none).",
 )
 @click.option("--seed", default=0, show_default=True, help="Same seed -> the same bytes.")
-@click.option("--quiet", is_flag=True, help="No progress bar or summary.")
+@click.option(
+    "--iconic/--any-position",
+    default=True,
+    show_default=True,
+    help="Shapes large and centred (classification-style photos), or drawn as the stream does.",
+)
+@click.option("--quiet", is_flag=True, help="No summary.")
 def synthetic_classes_cmd(
     out: str,
     datasets: int,
@@ -115,6 +132,7 @@ def synthetic_classes_cmd(
     image_size: int,
     pretrain: int,
     seed: int,
+    iconic: bool,
     quiet: bool,
 ) -> None:
     """Stand-in classification datasets as image folders (not a stream): OUT/synthK/{train,
@@ -125,22 +143,12 @@ def synthetic_classes_cmd(
       cvl build-stream classification --data data/synth --datasets synth0,synth1,synth2 \\
           --templates synthetic --out streams/synth-mtil
     """
-    if pretrain < 0:
-        raise CvlError("--pretrain must be >= 0")
     names = build_synthetic_folders(
-        out,
-        datasets,
-        classes,
-        train_per_class,
-        test_per_class,
-        image_size,
-        pretrain,
-        seed,
-        progress=not quiet,
+        out, datasets, classes, train_per_class, test_per_class, image_size, pretrain, seed, iconic
     )
     if not quiet:
         click.echo(
             f"wrote {len(names)} datasets to {out}: {', '.join(names)} ({classes} classes, "
             f"{train_per_class} train / {test_per_class} test images each)"
-            + (f"; pretraining stream {out}/{PRETRAIN} ({pretrain} pairs)" if pretrain else "")
+            + (f"; {PRETRAIN}/ (~{pretrain} images over all classes)" if pretrain else "")
         )

@@ -220,16 +220,17 @@ _OPTS = [
     type=click.Choice(["itc", "class-ce"]),
     help="The base loss of every method: itc = InfoNCE over the batch's image-caption pairs; "
     "class-ce = cross-entropy of each image over the text embeddings of all the task's classes "
-    "(classification streams; the ZSCL code's MTIL objective: logit scale 100, label "
-    "smoothing 0.2). Methods with their own contrastive loss (ctp, der, co2l, incclip) "
-    "refuse class-ce.",
+    "(classification streams; the ZSCL code's MTIL objective: the model's logit scale, not "
+    "trained (100 for OpenAI's CLIP), label smoothing 0.2). Methods with their own "
+    "contrastive loss (ctp, der, co2l, incclip) refuse class-ce.",
 )
 @click.option(
     "--base-loss-arg",
     "base_loss_arg",
     multiple=True,
     metavar="NAME=VALUE",
-    help="class-ce: scale (100), smoothing (0.2), template (0: the dataset's first). Repeatable.",
+    help="class-ce: scale (0 = the model's logit scale; > 0 fixes it), smoothing (0.2), "
+    "template (0: the dataset's first). Repeatable.",
 )
 @click.option(
     "--select",

@@ -114,6 +114,10 @@ class RunFolder:
         broadcast_module(self.model)
         from cvl.models.tune import Tuning
 
+        if cfg.base_loss == "class-ce":  # as the ZSCL code: the logit scale is never trained
+            from cvl.methods.base import freeze_logit_scale
+
+            freeze_logit_scale(self.model)
         self.tuning = Tuning(cfg.tune, cfg.tune_args)  # which parameters train (cvl.models.tune)
         self.tuning.apply(self.model, self._tune_seed(0))
         rj = self.out / RUN_JSON

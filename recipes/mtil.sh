@@ -27,7 +27,7 @@
 # same objective on a pool of all their shapes drawn in mixed looks (standing in for OpenAI's
 # weights; the pool is also ZSCL's reference set), 6 steps per task (ZSCL's weight-ensemble
 # interval and EMA-merge's decay scaled to them); settings order1 by default, methods zeroshot
-# seqft lwf icarl wise zscl ties seqft-lora (--methods adds the other merges).
+# seqft icarl zscl ties seqft-lora (--methods adds lwf, wise and the other merges).
 #   recipes/mtil.sh --smoke --out mtil-smoke
 # Bigger stand-in (environment): SMOKE_DATASETS (3), SMOKE_TRAIN / SMOKE_TEST images per class
 # (16 / 8), SMOKE_STEPS per task (6), SMOKE_LR, SMOKE_PRETRAIN images (192), SMOKE_CLIP0_STEPS
@@ -40,7 +40,7 @@ parse_args "$@"
 OUT=${OUT:-mtil-out}
 MERGES="zs_merge ft_merge task_arith ties model_stock ema_merge"
 ALL="zeroshot seqft lwf icarl wise zscl $MERGES seqft-lora"
-SMOKE_METHODS="zeroshot seqft lwf icarl wise zscl ties seqft-lora"
+SMOKE_METHODS="zeroshot seqft icarl zscl ties seqft-lora"
 if [ "$SMOKE" = 1 ]; then
   METHODS=${METHODS:-$SMOKE_METHODS} SETTINGS=${SETTINGS:-order1}
 else

@@ -87,7 +87,7 @@ CTP = "joint seqft ewc si mas afec rwalk lwf ctp er mof kmeans icarl lucir ctp-e
 INCCLIP = "er lucir geodl co2l incclip"
 MODX = "seqft ewc lwf der modx joint"
 DKR = "joint zeroshot seqft ewc lwf erl afc modx dkr"
-MTIL = "zeroshot seqft lwf icarl wise zscl ties seqft-lora"  # the smoke's default methods
+MTIL = "zeroshot seqft icarl zscl ties seqft-lora"  # the smoke's default methods
 # recipe -> {setting folder: (methods in table order, task count, benchmarks)}
 SMOKES = {
     "ctp_p9d.sh": {s: (CTP, 9, []) for s in ("default", "reversed")},

@@ -347,7 +347,7 @@ def base_terms(
       trained: `freeze_logit_scale`) or `scale` when > 0, label smoothing `smoothing`; rows of
       other tasks' classes (replayed items) take no part; ``{"class_ce": ...}``.
     """
-    cfg = ctx.config
+    cfg = getattr(ctx, "config", None)  # (unit tests pass bare contexts)
     if getattr(cfg, "base_loss", "itc") != "class-ce":
         return {"itc": clip_loss(out["image_features"], out["text_features"], out["logit_scale"])}
     from cvl.classtext import class_text_features, task_label_space

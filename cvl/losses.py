@@ -207,3 +207,30 @@ def off_diagonal_logits(x: torch.Tensor, all_x: torch.Tensor, temp: float) -> to
     own = torch.arange(rows.start, rows.stop, device=x.device)[:, None]
     cols = torch.arange(sim.shape[1] - 1, device=x.device)[None, :]
     return sim.gather(1, cols + (cols >= own).long())
+
+
+# -- classification over class texts (`--base-loss class-ce`: MTIL, the ZSCL code) ---------------
+
+
+def class_text_ce(
+    image: torch.Tensor,
+    class_text: torch.Tensor,
+    labels: torch.Tensor,
+    scale: torch.Tensor | float,
+    smoothing: float = 0.0,
+) -> torch.Tensor:
+    """Cross-entropy of each image over the class-text embeddings, averaged over the rows of
+    the global batch that carry a label (label -1: an item of no class here, e.g. a replayed
+    item of an earlier task, which only the method's own terms see).
+
+    logits = `scale`·v·Wᵀ (v: normalised image features [n, D], W: normalised class texts
+    [C, D], every class of the task, not only the batch's); the ZSCL code's
+    ``F.cross_entropy(logit_scale.exp() * out @ embeddings.t(), labels, label_smoothing=ls)``,
+    i.e. per row −(1−ε)·log p_y − ε/C·Σ_c log p_c. Every rank holds the same W (computed from
+    the same prompts and weights), so the rank-averaged gradient is the one-process gradient
+    of the global-batch mean (`global_masked_mean`).
+    """
+    logits = scale * image @ class_text.t()
+    keep = labels >= 0
+    ce = F.cross_entropy(logits, labels.clamp(min=0), reduction="none", label_smoothing=smoothing)
+    return global_masked_mean(torch.where(keep, ce, torch.zeros_like(ce)), keep)

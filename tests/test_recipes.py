@@ -20,7 +20,15 @@ import pytest
 from device_helpers import dist_env
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
-PAPER_RECIPES = ["ctp_p9d.sh", "incclip_cc12m.sh", "modx.sh", "dha_citm.sh", "dkr.sh", "tic.sh"]
+PAPER_RECIPES = [
+    "ctp_p9d.sh",
+    "incclip_cc12m.sh",
+    "modx.sh",
+    "dha_citm.sh",
+    "dkr.sh",
+    "tic.sh",
+    "mtil.sh",
+]
 FOMO = "fomo.sh"  # FoMo-in-Flux-style study (test_fomo_smoke)
 
 
@@ -88,6 +96,7 @@ CTP = "joint seqft ewc si mas afec rwalk lwf ctp er mof kmeans icarl lucir ctp-e
 INCCLIP = "er lucir geodl co2l incclip"
 MODX = "seqft ewc lwf der modx joint"
 DKR = "joint zeroshot seqft ewc lwf erl afc modx dkr"
+MTIL = "zeroshot seqft icarl zscl ties seqft-lora"  # the smoke's default methods
 # recipe -> {setting folder: (methods in table order, task count, benchmarks)}
 SMOKES = {
     "ctp_p9d.sh": {s: (CTP, 9, []) for s in ("default", "reversed")},
@@ -108,6 +117,7 @@ SMOKES = {
     },
     # TiC's policies; the per-period retrieval sets are benchmarks of the stream's time layout
     "tic.sh": {"": ("sequential cumulative-all cumulative-equal cumulative-exp oracle", 3, [])},
+    "mtil.sh": {"order1": (MTIL, 3, [])},
 }
 
 
@@ -145,6 +155,10 @@ def test_recipe_smoke(name, tmp_path):
         oracle = json.loads((out / "runs" / "oracle" / "eval" / "metrics.json").read_text())
         assert oracle["tic"]["periods"] == ["2014", "2015", "2016", "2017"]
         assert len(oracle["tic"]["rows"]) == 3
+    if name == "mtil.sh":  # ZSCL Table 1's columns, MTIL's and X-TAIL's
+        for row in json.loads((out / "order1" / "compare" / "compare.json").read_text())["runs"]:
+            for k in ("Transfer", "Avg.", "Last"):
+                assert 0.0 <= row[f"MTIL {k}"] <= 100.0 and 0.0 <= row[f"X-TAIL {k}"] <= 100.0
     if name == "modx.sh":
         for setting in SMOKES[name]:
             assert (out / setting / "runs" / "seqft" / "analysis").is_dir()

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cvl import __version__
-from cvl.evaluation import continual
-from cvl.evaluation.checkpoint import pairs_set, zs_templates_name
+from cvl.evaluation import continual, mtil
+from cvl.evaluation.checkpoint import pairs_set, zs_templates_note
 from cvl.evaluation.fomo import fomo_summary
 from cvl.evaluation.options import PRECISION_NOTES, EvalOptions
 from cvl.evaluation.transfer import tic_table
@@ -106,6 +106,12 @@ def build_metrics(
             ]
             cum_m[k] = C
             sofar[k] = continual.so_far_vs_final(C)
+    # MTIL / X-TAIL's Transfer, Avg., Last of the zero-shot matrices (classification streams)
+    from cvl.classtext import has_task_templates
+
+    mtil_b = (
+        mtil.block(matrices, columns, n_rows) if aligned and has_task_templates(manifest) else {}
+    )
     # The final model on the merged test set of every task it has seen (CTP Table 1): also
     # for runs whose checkpoints do not line up with the tasks (joint: one, after the last).
     last = rows[-1] if rows else None
@@ -123,7 +129,7 @@ def build_metrics(
             next(iter(results.values()))["protocol"]["map_feature"] if results else ""
         ),
         "ap_normalisation": AP_NOTE,
-        "zs_templates": zs_templates_name(manifest, opts),
+        "zs_templates": zs_templates_note(manifest, opts),
         "probe": f"logistic regression on <= {opts.probe_train} training images per task, C from "
         "{0.1, 1, 10, 100, 1000} on the val set, refit on train+val",
         "cumulative": "model after task i on the merged test set / query+gallery of tasks 0..k (k <= i)",
@@ -149,6 +155,7 @@ def build_metrics(
         "matrices": matrices,
         "zero_shot_row": zs_row,
         "continual": cont,
+        **({"mtil": mtil_b} if mtil_b else {}),
         "cumulative": cum_m,
         "so_far_vs_final": sofar,
         "final": final,

@@ -29,7 +29,7 @@ from cvl.evaluation.map import fuse_dual, map_at_n
 from cvl.evaluation.options import EvalOptions
 from cvl.evaluation.probe import linear_probe
 from cvl.evaluation.retrieval import DEFAULT_BLOCK_ELEMS, retrieval_metrics
-from cvl.evaluation.zeroshot import class_embeddings, load_templates, zeroshot_classify
+from cvl.evaluation.zeroshot import grouped_class_embeddings, load_templates, zeroshot_classify
 
 MAP_COUNTS = ("n_queries", "n_gallery", "n_no_positive", "n_unlabelled")
 
@@ -105,9 +105,23 @@ def pairs_set(manifest: Any, prefer: str, required: bool = True) -> str | None:
 
 
 def zs_templates_name(manifest: Any, opts: EvalOptions) -> str:
+    """The template file for classes without templates of their own (`--zs-templates`)."""
     if opts.zs_templates:
         return opts.zs_templates
     return "synthetic" if manifest.source == "synthetic" else "imagenet"
+
+
+def zs_templates_note(manifest: Any, opts: EvalOptions) -> str:
+    """Which templates the zero-shot classifiers use, for the reports."""
+    from cvl.classtext import has_task_templates, union_templates
+
+    name = zs_templates_name(manifest, opts)
+    if opts.zs_templates or not has_task_templates(manifest):
+        return name
+    u = union_templates(manifest)
+    return "each task's own ensemble (stream.json)" + (
+        f"; over all classes (ZS-all): {' | '.join(u)}" if u else ""
+    )
 
 
 def _classes_of(manifest: Any, tasks: list[str], emb: list[Embeddings]) -> list[str]:
@@ -178,7 +192,7 @@ def evaluate_checkpoint(
     per: dict[str, dict[str, Any]] = {t: {} for t in columns}
     info: dict[str, dict[str, Any]] = {t: {} for t in columns}
     test = _test_sets(ctx, per, info)
-    cls_feats, all_names = _zeroshot(ctx, test, per, info)
+    cls_feats, all_feats, all_names = _zeroshot(ctx, test, per, info)
     bench = _benchmarks(ctx)
     query, gallery = _query_gallery(ctx, per, info)
     if opts.probe:
@@ -189,7 +203,7 @@ def evaluate_checkpoint(
                     per[t]["LP-top1"] = p["top1"]
                     info[t]["probe"] = {k: v for k, v in p.items() if k != "top1"}
     cum = (
-        _cumulative(ctx, n_seen, test, query, gallery, cls_feats, all_names)
+        _cumulative(ctx, n_seen, test, query, gallery, (cls_feats, all_feats), all_names)
         if opts.cumulative
         else {}
     )
@@ -201,7 +215,7 @@ def evaluate_checkpoint(
         "protocol": {
             "match": ctx.match,
             "map_feature": ctx.map_feature,
-            "zs_templates": ctx.templates,
+            "zs_templates": zs_templates_note(manifest, opts),
         },
     }
 
@@ -221,21 +235,35 @@ def _test_sets(ctx: EvalContext, per: dict, info: dict) -> dict[str, Embeddings]
 
 def _zeroshot(
     ctx: EvalContext, test: dict[str, Embeddings], per: dict, info: dict
-) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """Zero-shot of each labelled test set among its task's classes (and all classes of a
-    class-split stream); returns the class embeddings and the split's class names."""
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[str]]:
+    """Zero-shot of each labelled test set among its task's classes (ZS-*: the MTIL matrix)
+    and, on a stream with a class map, among all classes of all tasks (ZS-all-*: IncCLIP's
+    all-classes protocol, RAIL's X-TAIL). Each class is embedded with its task's templates
+    when the stream has them (`--zs-templates` overrides), the all-classes classifier with the
+    class map's `union_templates` when given. Returns the class embeddings of the per-task and
+    of the all-classes classifiers, and the class map's class names."""
+    from cvl.classtext import category_templates, union_templates
+
     m, cls_feats = ctx.m, {}
     all_names = m.split_classes()  # class-incremental streams: every class of the split
     if not (ctx.opts.zeroshot and any(_zs_ready(m, e) for e in test.values())):
-        return cls_feats, all_names
-    templates = load_templates(ctx.templates)
+        return cls_feats, cls_feats, all_names
+    default = load_templates(ctx.templates)
+    explicit = bool(ctx.opts.zs_templates)
     names = _classes_of(m, list(test), list(test.values()))
     have = set(names)
     names += [n for n in all_names if n not in have]
-    cf = class_embeddings(
-        ctx.model, m.prompt_names(names), templates, ctx.opts.batch_size, ctx.opts.precision
-    )
+    per_class = [tuple(default)] * len(names) if explicit else category_templates(m, names, default)
+    bs, prec = ctx.opts.batch_size, ctx.opts.precision
+    cf = grouped_class_embeddings(ctx.model, m.prompt_names(names), per_class, bs, prec)
     cls_feats = {n: cf[i] for i, n in enumerate(names)}
+    union = None if explicit else union_templates(m)
+    all_feats = cls_feats
+    if all_names and union:
+        uf = grouped_class_embeddings(
+            ctx.model, m.prompt_names(all_names), [tuple(union)] * len(all_names), bs, prec
+        )
+        all_feats = {n: uf[i] for i, n in enumerate(all_names)}
     for t, e in test.items():
         if not _zs_ready(m, e):
             continue
@@ -243,10 +271,10 @@ def _zeroshot(
         per[t]["ZS-top1"], per[t]["ZS-top5"] = z["top1"], z["top5"]
         info[t]["zeroshot"] = {k: z[k] for k in ("n", "n_skipped", "n_classes")}
         if all_names:
-            z = _zs(e, cls_feats, all_names)
+            z = _zs(e, all_feats, all_names)
             per[t]["ZS-all-top1"], per[t]["ZS-all-top5"] = z["top1"], z["top5"]
             info[t]["zeroshot_all"] = {k: z[k] for k in ("n", "n_skipped", "n_classes")}
-    return cls_feats, all_names
+    return cls_feats, all_feats, all_names
 
 
 def _benchmarks(ctx: EvalContext) -> dict[str, dict[str, Any]]:
@@ -291,10 +319,12 @@ def _cumulative(
     test: dict[str, Embeddings],
     query: dict[str, Embeddings],
     gallery: dict[str, Embeddings],
-    cls_feats: dict[str, torch.Tensor],
+    feats: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]],
     all_names: list[str],
 ) -> dict[str, dict[str, Any]]:
-    """CTP's protocol: the merged sets of the first k+1 tasks, k < n_seen (no new pass)."""
+    """CTP's protocol: the merged sets of the first k+1 tasks, k < n_seen (no new pass);
+    `feats`: the class embeddings of the per-task and of the all-classes classifiers."""
+    cls_feats, all_feats = feats
     cum: dict[str, dict[str, Any]] = {}
     columns, m = ctx.columns, ctx.m
     for k in range(min(n_seen, len(columns))):
@@ -308,7 +338,7 @@ def _cumulative(
             z = _zs(e, cls_feats, _classes_of(m, seen, [test[t] for t in seen]))
             r["ZS-top1"], r["ZS-top5"] = z["top1"], z["top5"]
             if all_names:
-                z = _zs(e, cls_feats, all_names)
+                z = _zs(e, all_feats, all_names)
                 r["ZS-all-top1"], r["ZS-all-top5"] = z["top1"], z["top5"]
         qs = [t for t in columns[: k + 1] if t in query]
         if qs:

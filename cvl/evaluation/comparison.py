@@ -79,8 +79,11 @@ def compare_records(ms: Sequence[dict[str, Any]]) -> tuple[list[str], list[dict[
     BWT, forgetting, DHA FR, zero-shot, probe), what the run cost to train (`COST_COLS`, from
     its task.json files) and the final checkpoint on every benchmark (Mod-X / DKR / IncCLIP:
     COCO 5K, Flickr30K 1K, ...)."""
+    from cvl.evaluation.mtil import compare_columns
+
     bench = benchmark_names(ms)
-    headers = ["run", "method", *TABLE1, *(c for c, *_ in COMPARE_CONTINUAL)]
+    mt = compare_columns(ms)
+    headers = ["run", "method", *(h for h, *_ in mt), *TABLE1, *(c for c, *_ in COMPARE_CONTINUAL)]
     headers += [c for c, _ in FOMO_COLS]  # FoMo-in-Flux's A_KA, A_ZS, GM (cvl.evaluation.fomo)
     headers += [c for c, *_ in COST_COLS]
     tic = any(m.get("tic") for m in ms)  # a time-ordered stream: TiC-CLIP's transfer columns
@@ -90,6 +93,8 @@ def compare_records(ms: Sequence[dict[str, Any]]) -> tuple[list[str], list[dict[
     for m in ms:
         fin, cont = m.get("final") or {}, m.get("continual") or {}
         rec: dict[str, Any] = {"run": m["run_name"], "method": m["method_label"]}
+        for h, key, field_ in mt:
+            rec[h] = ((m.get("mtil") or {}).get(key) or {}).get(field_)
         rec.update({k: fin.get(k) for k in TABLE1})
         for col, metric, field_, _ in COMPARE_CONTINUAL:
             rec[col] = (cont.get(metric) or {}).get(field_)

@@ -26,6 +26,8 @@ from typing import Any
 from cvl.evaluation.fomo import table_fomo
 from cvl.io import atomic_write_bytes, write_json
 
+MATRIX_METRICS_MTIL = ["ZS-all-top1"]  # X-TAIL's matrix, shown when a run has it
+
 TABLE1 = ["TR@1", "TR@5", "TR@10", "IR@1", "IR@5", "IR@10", "Rm", "mAP@1", "mAP@5", "mAP@10"]
 SUMMARY_METRICS = [
     "Rm",
@@ -214,6 +216,7 @@ def sections(
             table_so_far(m),
         ),
         ("Per task, final model: R@mean and Forgetting Rate (DHA Table 1)", table_dha(m)),
+        *mtil_sections(m),
         ("Continual summary (from the per-task R matrices)", table_continual(m)),
         ("Zero-shot classification on image folders", table_folders(m)),
         ("Benchmarks (eval sets of no task) after every checkpoint", table_benchmarks(m)),
@@ -233,11 +236,26 @@ def sections(
         out.append(
             ("mAP@N of the final model under the three AP normalisations", table_map_variants(m))
         )
-        for k in MATRIX_METRICS:
+        extra = [k for k in MATRIX_METRICS_MTIL if m.get("mtil")]
+        for k in MATRIX_METRICS + extra:
             out.append(
                 (f"R matrix: {k} (rows: model; columns: test set of task j)", table_matrix(m, k))
             )
     return [(t, tb) for t, tb in out if tb is not None]
+
+
+MTIL_NOTE = (
+    "MTIL / X-TAIL (ZSCL's notebook): Transfer_j = mean_{i<j} R[i][j] (no Transfer for the "
+    "first task; Transfer = mean over the others), Avg_j = mean_i R[i][j], Last_j = R[T][j]; "
+    "rows = the task checkpoints (not the initial weights)"
+)
+
+
+def mtil_sections(m: dict[str, Any]) -> list:
+    """MTIL / X-TAIL tables (`cvl.evaluation.mtil`) when the run has them."""
+    from cvl.evaluation.mtil import sections as mtil_tables
+
+    return mtil_tables(m)
 
 
 def _runtime_lines(m: dict[str, Any]) -> list[str]:
@@ -277,6 +295,7 @@ def render_markdown(m: dict[str, Any], full: bool = True) -> str:
             f"- {p['ap_normalisation']}",
             f"- zero-shot templates: `{p['zs_templates']}`; linear probe: {p['probe']}",
             *_runtime_lines(m),
+            *([f"- {MTIL_NOTE}"] if m.get("mtil") else []),
             "- BWT (IncCLIP) = 1/(T-1) Σ_{i≥2} (1/i) Σ_{j≤i} (R[i][j] − R[j][j]); BWT = 1/(T-1) Σ_{j<T} "
             "(R[T][j] − R[j][j]); forgetting = mean_j max_{j≤l<T} R[l][j] − R[T][j]; "
             "FR_t = (R[t][t] − R[T][t]) / R[t][t]; FWT = 1/(T-1) Σ_{i≥2} (R[i-1][i] − zero-shot[i])",

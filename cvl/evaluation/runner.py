@@ -202,6 +202,20 @@ def _load_model(run_d: dict[str, Any], path: Path, device: Any, model: Any = Non
     return model.eval()
 
 
+def label_space_key(manifest: Any) -> dict[str, Any]:
+    """What the zero-shot classifiers depend on beyond the fingerprint (class map, per-task
+    classes and templates); empty for streams without them (their cache keys are unchanged)."""
+    t = {
+        n: {"categories": i.categories, "templates": i.extra.get("templates")}
+        for n, i in manifest.tasks.items()
+        if i.extra.get("templates")
+    }
+    return {
+        **({"class_map": manifest.class_map} if manifest.class_map else {}),
+        **({"task_templates": t} if t else {}),
+    }
+
+
 def _columns(run_d: dict[str, Any], manifest: Any) -> list[str]:
     """Eval tasks: the run's training order (when the stream has those tasks), then the rest."""
     order = list((run_d.get("stream") or {}).get("task_order") or [])
@@ -262,6 +276,7 @@ def evaluate_run(
         "stream": {
             "fingerprint": manifest.fingerprint,
             "eval_sets": {n: e.to_json() for n, e in manifest.eval_sets.items()},
+            **label_space_key(manifest),
         },
         "columns": columns,
         **(

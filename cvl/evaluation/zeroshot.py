@@ -92,6 +92,29 @@ def class_embeddings(
     return torch.nn.functional.normalize(f, dim=-1)
 
 
+def grouped_class_embeddings(
+    model: Any,
+    classnames: Sequence[str],
+    templates: Sequence[Sequence[str]],
+    batch_size: int = 256,
+    precision: str = "no",
+) -> torch.Tensor:
+    """`class_embeddings` where each class has its own templates (one ensemble per class:
+    e.g. each MTIL dataset's): classes sharing a template list are embedded together."""
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for i, t in enumerate(templates):
+        groups.setdefault(tuple(t), []).append(i)
+    out: torch.Tensor | None = None
+    for ts, idx in groups.items():
+        f = class_embeddings(model, [classnames[i] for i in idx], ts, batch_size, precision)
+        if out is None:
+            out = f.new_zeros(len(classnames), f.shape[1])
+        out[idx] = f
+    if out is None:
+        raise CvlError("no classes to embed")
+    return out
+
+
 def labels_to_indices(categories: Sequence[Any], classnames: Sequence[str]) -> torch.Tensor:
     """Class index per item (-1 when its category is not among the class names)."""
     idx = {c: i for i, c in enumerate(classnames)}

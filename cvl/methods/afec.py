@@ -83,7 +83,7 @@ class AFEC(EWC):
 
             params = [p for _, p in trainable(self.expanded)]
             self.exp_opt, self.exp_sched = optimizer_with_schedule(
-                params, ctx.config, ctx.steps_in_task, ctx.lr_lambda
+                params, ctx.config, ctx.steps_in_task, ctx.lr_lambda, ctx.task_name
             )
             if self._pending is not None:
                 self.exp_opt.load_state_dict(_opt_state_in(self._pending["optimizer"]))

@@ -30,8 +30,49 @@ from torch import nn
 from cvl.checks import Num, check_scalar
 from cvl.dist import all_reduce_mean, gather_no_grad, local_rows, world_size
 from cvl.errors import CvlError
-from cvl.losses import clip_loss
+from cvl.losses import class_text_ce, clip_loss
 from cvl.methods.registry import get_method
+
+#: `--base-loss` choices and their `--base-loss-arg` defaults. class-ce: the ZSCL code's MTIL
+#: objective: logits = the model's own logit scale (the code's `logit_scale.exp()`, a parameter
+#: it leaves out of its optimizer: 100 for OpenAI's CLIP; cvl freezes it too) × cosine, or a
+#: fixed `scale` > 0; label smoothing 0.2 (every script's `--ls 0.2`); the first template.
+BASE_LOSSES: dict[str, dict[str, Any]] = {
+    "itc": {},
+    "class-ce": {"scale": 0.0, "smoothing": 0.2, "template": 0},
+}
+
+
+def freeze_logit_scale(model: nn.Module) -> list[str]:
+    """Take the model's learnable logit scale out of training (the ZSCL code never trains it);
+    returns the parameter names frozen."""
+    names = [n for n, p in model.named_parameters() if n.split(".")[-1] == "logit_scale"]
+    for n, p in model.named_parameters():
+        if n in names:
+            p.requires_grad_(False)
+    return names
+
+
+def resolve_base_loss_args(name: str, args: dict[str, Any]) -> dict[str, Any]:
+    """The base loss's arguments: its defaults overridden by `args` (typed, clear errors)."""
+    if name not in BASE_LOSSES:
+        raise CvlError(f"--base-loss must be one of {', '.join(BASE_LOSSES)}, got '{name}'")
+    out = dict(BASE_LOSSES[name])
+    for k, v in args.items():
+        if k not in out:
+            known = ", ".join(out) or "none"
+            raise CvlError(f"--base-loss {name} has no argument '{k}' (arguments: {known})")
+        try:
+            out[k] = type(out[k])(v)
+        except (TypeError, ValueError):
+            raise CvlError(f"--base-loss-arg {k}={v!r} is not a {type(out[k]).__name__}") from None
+    if name == "class-ce" and not 0.0 <= out["smoothing"] < 1.0:
+        raise CvlError(f"--base-loss-arg smoothing must be in [0, 1), got {out['smoothing']}")
+    if name == "class-ce" and out["scale"] < 0:
+        raise CvlError(
+            f"--base-loss-arg scale must be > 0 (0: the model's own), got {out['scale']}"
+        )
+    return out
 
 
 @dataclass
@@ -133,6 +174,9 @@ class Method:
     trains = True
     #: True if the method cannot work without a replay buffer.
     needs_buffer = False
+    #: True for methods whose objective is their own contrastive loss (momentum, replay-aware
+    #: or pseudo-negative ITC): they refuse `--base-loss class-ce`.
+    itc_only = False
 
     def __init__(self, args: dict[str, Any] | None = None) -> None:
         self.args = self.resolve_args(args or {})
@@ -212,7 +256,7 @@ class Method:
         pass
 
 
-_PASSED = ("needs_buffer", "buffer_hint", "selects_best_val", "trains")
+_PASSED = ("needs_buffer", "buffer_hint", "selects_best_val", "trains", "itc_only")
 
 
 class Wrapper(Method):
@@ -311,11 +355,43 @@ class PreviousModelMethod(Method):
 def base_loss(
     model: Any, batch: dict[str, Any], out: dict[str, torch.Tensor], ctx: TaskContext
 ) -> dict[str, torch.Tensor]:
-    """The architecture's own pretraining loss: ITC over the global batch (+ MLM for fusion)."""
-    terms = {"itc": clip_loss(out["image_features"], out["text_features"], out["logit_scale"])}
+    """The base loss: `base_terms` (+ MLM for the fusion model)."""
+    terms = base_terms(batch, out, ctx)
     if getattr(model, "has_fusion", False):
         terms["mlm"] = mlm_term(model, batch, out, ctx)[0]
     return terms
+
+
+def base_terms(
+    batch: dict[str, Any], out: dict[str, torch.Tensor], ctx: TaskContext
+) -> dict[str, torch.Tensor]:
+    """The base loss's image-text term, as `--base-loss` chooses (every method that trains
+    with the base loss goes through here):
+
+    - ``itc``: symmetric InfoNCE over the global batch, ``{"itc": ...}``;
+    - ``class-ce``: cross-entropy of each image over the text embeddings of *all* the current
+      task's classes, its first template filled with each class name (`cvl.classtext`),
+      with gradient into the text tower, logits = s·cos with s the model's logit scale (not
+      trained: `freeze_logit_scale`) or `scale` when > 0, label smoothing `smoothing`; rows of
+      other tasks' classes (replayed items) take no part; ``{"class_ce": ...}``.
+    """
+    cfg = getattr(ctx, "config", None)  # (unit tests pass bare contexts)
+    if getattr(cfg, "base_loss", "itc") != "class-ce":
+        return {"itc": clip_loss(out["image_features"], out["text_features"], out["logit_scale"])}
+    from cvl.classtext import class_text_features, task_label_space
+
+    a = resolve_base_loss_args("class-ce", getattr(cfg, "base_loss_args", None) or {})
+    space = task_label_space(ctx.manifest, ctx.task_name)
+    if not 0 <= a["template"] < len(space.templates):
+        raise CvlError(
+            f"--base-loss-arg template={a['template']}: task '{ctx.task_name}' has "
+            f"{len(space.templates)} template(s)"
+        )
+    image = out["image_features"]
+    w = class_text_features(ctx.model, space, a["template"])
+    labels = space.labels(batch["category"], image.device)
+    scale = a["scale"] or out["logit_scale"].detach()
+    return {"class_ce": class_text_ce(image, w, labels, scale, a["smoothing"])}
 
 
 def mlm_term(model: Any, batch: dict[str, Any], out: dict[str, torch.Tensor], ctx: TaskContext):

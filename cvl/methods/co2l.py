@@ -51,6 +51,7 @@ def ird(new: torch.Tensor, old: torch.Tensor, tau_new: float, tau_old: float) ->
 class Co2L(PreviousModelMethod):
     """Co2L: asymmetric contrastive (buffer items negatives only) + relation distillation."""
 
+    itc_only = True  # its own contrastive objective: no --base-loss class-ce
     defaults = {"weight": 1.0, "tau_old": 0.01, "tau_new": 0.2}
     #: bounds of the arguments (cvl.checks): refused in one line before anything runs
     limits = {"tau_old": POSITIVE_FLOAT, "tau_new": POSITIVE_FLOAT}

@@ -202,6 +202,7 @@ class CTP(Method):
     See the module docstring for the equations, defaults and paper/code choices.
     """
 
+    itc_only = True  # its own contrastive objective: no --base-loss class-ce
     defaults = {
         "momentum": 0.9,
         "first_momentum": 0.995,

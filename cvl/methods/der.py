@@ -71,6 +71,7 @@ def embed_pairs(model: Any, entries: list, accelerator: Any, batch_size: int = 2
 class DER(Method):
     """DER / DER++: the buffer keeps each item's embeddings from when it was stored; MSE to them."""
 
+    itc_only = True  # its own contrastive objective: no --base-loss class-ce
     defaults = {"alpha": 0.3, "derpp": False, "beta": 0.5}
     needs_buffer = True
 

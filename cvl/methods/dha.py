@@ -134,6 +134,8 @@ class DHA(Method):
         self, batch: dict[str, Any], out: dict[str, torch.Tensor], ctx: TaskContext
     ) -> dict[str, torch.Tensor]:
         terms = base_loss(ctx.model, batch, out, ctx)
+        if "itc" not in terms:  # --base-loss class-ce: no directions to sum
+            return terms
         itc = terms.pop("itc")
         if self.args["sum_directions"]:
             itc = 2.0 * itc  # clip_loss averages the two directions; Eq. 5 sums them

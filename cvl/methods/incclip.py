@@ -359,6 +359,7 @@ class IncCLIP(PreviousModelMethod):
     """
 
     needs_buffer = True
+    itc_only = True  # its own contrastive objective: no --base-loss class-ce
     defaults = {
         "n_pseudo": 256,  # B̂ (paper: B_aug = 256)
         "gen_images": 0,  # memory pairs per step for Eq. 1 (0: the global batch size B)

@@ -23,7 +23,7 @@ With the `fusion` model both add MLM distillation at the masked positions (CTP c
 over the masked tokens of the global batch, on the same masked ids (the old model's forward
 gets them, so one old forward gives its features and its MLM logits).
 
-Total on task t > 0: L_base + `weight`·L_kd + `mlm_distill_weight`·L_mlm^d (weights 1, CTP
+Total on task t > 0: L_base (ITC, or `--base-loss class-ce`) + `weight`·L_kd + `mlm_distill_weight`·L_mlm^d (weights 1, CTP
 code). Task 0: base loss only. Logged terms: itc (+ mlm), `lwf_kd`, `lwf_mlm`.
 """
 
@@ -34,8 +34,8 @@ from typing import Any
 import torch
 
 from cvl.checks import NON_NEGATIVE_FLOAT, POSITIVE_FLOAT
-from cvl.losses import clip_loss, global_mlm_distillation, kl_rows, old_new_global_logits
-from cvl.methods.base import PreviousModelMethod, TaskContext, mlm_term
+from cvl.losses import global_mlm_distillation, kl_rows, old_new_global_logits
+from cvl.methods.base import PreviousModelMethod, TaskContext, base_terms, mlm_term
 from cvl.methods.registry import register
 
 VARIANTS = ("feature", "logits")
@@ -119,7 +119,7 @@ class LwF(PreviousModelMethod):
     ) -> dict[str, torch.Tensor]:
         a, model = self.args, ctx.model
         fusion = getattr(model, "has_fusion", False)
-        terms = {"itc": clip_loss(out["image_features"], out["text_features"], out["logit_scale"])}
+        terms = base_terms(batch, out, ctx)  # ITC, or --base-loss class-ce
         if fusion:
             terms["mlm"], logits, masked, labels = mlm_term(model, batch, out, ctx)
         if self.old is None:

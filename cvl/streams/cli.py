@@ -34,6 +34,8 @@ SOURCES: list[tuple[str, str, str]] = [
     ("compose", "cvl.streams.compose", "compose_cmd"),
     ("protocol", "cvl.streams.protocols", "protocol_cmd"),
     ("class-split", "cvl.streams.classsplit", "class_split_cmd"),
+    ("classification", "cvl.streams.classification", "classification_cmd"),
+    ("synthetic-classes", "cvl.streams.synthetic_folders", "synthetic_classes_cmd"),
 ]
 
 
@@ -102,4 +104,6 @@ def build_stream() -> None:
     Archives on disk: coco, flickr30k, rsicd (Karpathy JSON), ec (MUGE TSVs), iapr.
     Several streams as one: compose; a paper's benchmark in one command: protocol.
     Class-incremental tasks from labels (`cvl pseudo-label` or categories): class-split.
+    Labelled image datasets as tasks (MTIL, X-TAIL): classification (stand-in image
+    folders to try it on: synthetic-classes).
     """

@@ -74,12 +74,15 @@ class Row:
     blob: tuple[str, int, int] | None = None  # (file, offset, length) of a base64 image (EC TSV)
     member: tuple[str, int, int] | None = None  # (file, offset, length) of image bytes (a tar)
     root: str | None = None  # the image root `path` must resolve inside (else outside_root)
+    data: bytes | None = None  # an encoded image read from an array file (CIFAR, MNIST)
 
     @property
     def where(self) -> str:
         if self.blob or self.member:
             f, off, _ = self.blob or self.member  # type: ignore[misc]
             return f"{Path(f).name}@{off}"
+        if self.data is not None and not (self.url or self.path):
+            return f"<array image {self.id}>"
         return self.url or self.path or ""
 
 
@@ -173,7 +176,7 @@ def validate_rows(rows: Iterable[Row], drop: Dropper) -> list[Row]:
         if any(has_surrogates(t) for t in texts):
             drop("non_utf8", r, detail="caption/category is not valid UTF-8")
             continue
-        if not r.url and not r.path and not r.blob and not r.member:
+        if not r.url and not r.path and not r.blob and not r.member and r.data is None:
             drop("missing_image", r, detail="no url or image path")
             continue
         if r.url and not r.path and not re.match(r"^https?://", r.url, re.I):
@@ -569,7 +572,9 @@ def _image_plan(
     plan: dict[int, tuple] = {}
     url_rows: dict[str, list[int]] = {}
     for i, r in enumerate(rows):
-        if r.path:
+        if r.data is not None:
+            plan[i] = ("bytes", r.data)
+        elif r.path:
             plan[i] = ("file", r.path)
         elif r.blob:
             plan[i] = ("b64", *r.blob)
@@ -613,6 +618,8 @@ def _load(item: tuple, image: ImageOptions) -> tuple[bytes | None, str | None]:
         return process_local(item[1], image)
     if item[0] == "b64":
         return _load_b64(item[1], item[2], item[3], image)
+    if item[0] == "bytes":
+        return process_bytes(item[1], image)
     kind, tar, off, size = item
     try:
         with open(tar, "rb") as f:
@@ -649,7 +656,7 @@ def _load_star(args: tuple) -> tuple[bytes | None, str | None]:
 
 def _images(items: list[tuple], image: ImageOptions, processes: int) -> Iterator[tuple]:
     """Image bytes for each plan item, in order (local files resized in a pool if processes>1)."""
-    n_local = sum(1 for it in items if it[0] in ("file", "b64", "raw"))
+    n_local = sum(1 for it in items if it[0] in ("file", "b64", "raw", "bytes"))
     if processes > 1 and n_local > 256:
         import multiprocessing as mp
 
@@ -672,8 +679,12 @@ def build_stream(
     aliases: dict[str, str] | None = None,
     descriptions: dict[str, str] | None = None,
     task_extra: dict[str, dict[str, Any]] | None = None,
+    complete: Callable[[Manifest, BuildReport], None] | None = None,
 ) -> Manifest:
-    """Write a stream folder from rows (see the module docstring); returns its manifest."""
+    """Write a stream folder from rows (see the module docstring); returns its manifest.
+
+    `complete(manifest, report)`, when given, sees the manifest before it is written (it may
+    add to it, or raise to leave nothing written: e.g. a class that lost all its images)."""
     log = opts.log
     check_out(opts)
     rows = validate_rows(rows, drop)
@@ -819,6 +830,8 @@ def build_stream(
             benchmarks=extra.get("benchmarks") or {},
             time=extra.get("time"),
         )
+        if complete is not None:
+            complete(m, report)
         save_manifest(m, tmp)
         report.notes["task_order"] = final_order
         report.notes["counts"] = {

@@ -22,6 +22,9 @@ Presets (see /work/shared/METHODS.md "Protocol facts" and the papers):
 - ``dkr-s1`` DKR Setting-1: COCO (80K train / 5K test) -> Flickr30K -> IAPR TC-12
   (15K / 5K random) -> EC -> RSICD (train+val 9,828 / test 1,093).
 - ``dkr-s2`` DKR Setting-2: EC in 5 random parts; benchmarks Flickr30K(1K), COCO(5K), EC(5K).
+- ``mtil``, ``mtil-order2``, ``mtil-fs``, ``x-tail``: classification datasets as tasks (ZSCL's
+  MTIL orders I and II, MoE-Adapters4CL's 5-shot MTIL, RAIL's X-TAIL), built from ``--data``
+  by `cvl.streams.classification` (one stream, no composition; see datasets/mtil.md).
 
 Each part's own test set is the same random part of its source's test set; the full test
 sets are the benchmarks.
@@ -29,6 +32,7 @@ sets are the benchmarks.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -235,8 +239,17 @@ def build_protocol(
     sets: dict[str, dict[str, Any]] | None = None,
 ) -> Manifest:
     """Build the sources a preset needs (or take given streams) and compose them, atomically."""
+    from cvl.streams.classification import PROTOCOLS, build_protocol_stream
+
+    if preset in PROTOCOLS:
+        if streams or sets:
+            raise CvlError(f"protocol {preset} reads --data only (no --stream / --set)")
+        if data is None:
+            raise CvlError(f"protocol {preset}: pass --data DIR (see datasets/mtil.md)")
+        return build_protocol_stream(preset, data, dataclasses.replace(opts, out=Path(out)))
     if preset not in PRESETS:
-        raise CvlError(f"unknown protocol '{preset}' (presets: {', '.join(PRESETS)})")
+        names = [*PRESETS, *PROTOCOLS]
+        raise CvlError(f"unknown protocol '{preset}' (presets: {', '.join(names)})")
     p = PRESETS[preset]
     streams = dict(streams or {})
     sets = dict(sets or {})
@@ -310,13 +323,20 @@ def build_protocol(
 
 
 # -- command line ------------------------------------------------------------------------------
+def _preset_names() -> list[str]:
+    from cvl.streams.classification import PROTOCOLS
+
+    return [*PRESETS, *PROTOCOLS]
+
+
 @click.command("protocol")
-@click.argument("preset", type=click.Choice(list(PRESETS)))
+@click.argument("preset", type=click.Choice(_preset_names()))
 @click.option(
     "--data",
     type=click.Path(file_okay=False),
     default=None,
-    help="Raw datasets folder: coco/, flickr30k/, rsicd/, ec/, iapr/ (layout above).",
+    help="Raw datasets folder: coco/, flickr30k/, rsicd/, ec/, iapr/, the MTIL datasets "
+    "(layout above).",
 )
 @click.option(
     "--stream",
@@ -348,7 +368,7 @@ def protocol_cmd(
     set_specs: tuple[str, ...],
     **kw: Any,
 ) -> None:
-    """A paper's benchmark stream in one command (Mod-X, DHA, DKR presets).
+    """A paper's benchmark stream in one command (Mod-X, DHA, DKR, MTIL / X-TAIL presets).
 
     \b
     Presets:
@@ -358,6 +378,10 @@ def protocol_cmd(
       dha-citm        COCO 100k/13,287/5k -> CC3M -> WIT -> GoodNews (--stream each)
       dkr-s1          COCO -> Flickr30K -> IAPR TC-12 -> EC -> RSICD
       dkr-s2          EC in 5 parts; benchmarks Flickr30K(1K), COCO(5K), EC(5K)
+      mtil            ZSCL's MTIL order I: 11 classification datasets, one task each
+      mtil-order2     ZSCL's MTIL order II
+      mtil-fs         MoE-Adapters4CL's few-shot MTIL (5 images per class)
+      x-tail          RAIL's X-TAIL: 10 domains, 16 shots, union label space
     \b
     --data layout (only the sources a preset uses):
       coco/dataset_coco.json  coco/train2014/  coco/val2014/
@@ -365,6 +389,8 @@ def protocol_cmd(
       rsicd/dataset_rsicd.json  rsicd/RSICD_images/
       ec/T2I_train.text.tsv  ec/T2I_train.img.tsv  ec/T2I_val.text.tsv  ec/T2I_val.img.tsv
       iapr/iaprtc12/images/  iapr/iaprtc12/annotations_complete_eng/
+      MTIL: torchvision's layouts (fgvc-aircraft-2013b/, caltech101/, ...) or
+            NAME/{train,test}/CLASS/*.jpg per dataset (datasets/mtil.md)
     \b
       cvl build-stream protocol dkr-s1 --data data --out streams/dkr-s1
       cvl build-stream protocol dha-citm --data data --stream cc3m=streams/cc3m \\

@@ -317,7 +317,7 @@ def probe_step(
     owned = [*model.parameters(), *model.buffers(), *held_tensors(method)]
     if ctx.buffer is not None:
         owned += list(held_tensors(ctx.buffer))
-    opt, _ = optimizer_with_schedule(params, cfg, max(1, ctx.steps_in_task))
+    opt, _ = optimizer_with_schedule(params, cfg, max(1, ctx.steps_in_task), task=ctx.task_name)
     tracker.probing = ctx.probing = True
     try:
         with _fork_rng(dev):

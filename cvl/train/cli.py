@@ -54,6 +54,8 @@ _OPTS = [
     "log_every",
     "log_with",
     "max_steps_per_task",
+    "steps_per_task",
+    "base_loss",
     "select",
     "skip_nonfinite",
     "grad_checkpointing",
@@ -270,6 +272,40 @@ _OPTS = [
     help="Stop each task after N steps (smoke tests).",
 )
 @click.option(
+    "--steps-per-task",
+    type=LIMITS["steps_per_task"],
+    default=0,
+    help="Train every task exactly N optimizer steps, going through its data as many times as "
+    "that takes (the ZSCL code's --iterations; the warm-up + cosine schedule spans the N "
+    "steps); 0 = --epochs.",
+)
+@click.option(
+    "--task-lr",
+    "task_lr",
+    multiple=True,
+    metavar="TASK=LR",
+    help="Peak learning rate of one task (repeatable; others use --lr), e.g. aircraft=5e-5.",
+)
+@click.option(
+    "--base-loss",
+    default="itc",
+    show_default=True,
+    type=click.Choice(["itc", "class-ce"]),
+    help="The base loss of every method: itc = InfoNCE over the batch's image-caption pairs; "
+    "class-ce = cross-entropy of each image over the text embeddings of all the task's classes "
+    "(classification streams; the ZSCL code's MTIL objective: the model's logit scale, not "
+    "trained (100 for OpenAI's CLIP), label smoothing 0.2). Methods with their own "
+    "contrastive loss (ctp, der, co2l, incclip) refuse class-ce.",
+)
+@click.option(
+    "--base-loss-arg",
+    "base_loss_arg",
+    multiple=True,
+    metavar="NAME=VALUE",
+    help="class-ce: scale (0 = the model's logit scale; > 0 fixes it), smoothing (0.2), "
+    "template (0: the dataset's first). Repeatable.",
+)
+@click.option(
     "--select",
     default="auto",
     show_default=True,
@@ -357,6 +393,8 @@ def train(
     method_arg: tuple[str, ...],
     tune_arg: tuple[str, ...],
     budget_arg: tuple[str, ...],
+    task_lr: tuple[str, ...],
+    base_loss_arg: tuple[str, ...],
     config_path: str | None,
     force: bool,
     quiet: bool,
@@ -383,5 +421,7 @@ def train(
     overrides["method_args"] = parse_method_args(method_arg)
     overrides["tune_args"] = parse_method_args(tune_arg, "--tune-arg", raw=True)
     overrides["budget_args"] = parse_method_args(budget_arg, "--budget-arg", raw=True)
+    overrides["task_lr"] = parse_method_args(task_lr, "--task-lr")
+    overrides["base_loss_args"] = parse_method_args(base_loss_arg, "--base-loss-arg")
     cfg = resolve(config_path, overrides)
     Trainer(cfg, force=force, progress=not quiet).run()

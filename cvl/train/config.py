@@ -65,6 +65,14 @@ class TrainConfig:
     log_every: int = 10  # optimizer steps per train_log.jsonl line (each averages its steps)
     log_with: str = "auto"  # auto (tensorboard if installed) | tensorboard | wandb | none
     max_steps_per_task: int = 0  # debugging / smoke tests: stop each task early (0 = off)
+    steps_per_task: int = (
+        0  # train every task exactly N optimizer steps (epochs as needed; 0 = by --epochs)
+    )
+    task_lr: dict[str, float] = field(default_factory=dict)  # task name -> peak lr (else --lr)
+    base_loss: str = "itc"  # itc | class-ce (cvl.methods.base.BASE_LOSSES)
+    base_loss_args: dict[str, Any] = field(
+        default_factory=dict
+    )  # class-ce: scale, smoothing, template
     select: str = "auto"  # auto | last | best-val: which weights end a task (cvl.train.selection)
     skip_nonfinite: int = 0  # optimizer steps with a NaN/Inf loss to skip before stopping
     grad_checkpointing: bool = False  # recompute activations in backward (memory for compute)
@@ -89,6 +97,19 @@ class TrainConfig:
             )
         for k in ("grad_checkpointing", "compile"):
             setattr(self, k, to_bool(getattr(self, k), option_name(k)))
+        if self.steps_per_task and self.budget:
+            raise CvlError(
+                "give --steps-per-task or --budget, not both (both fix each task's steps)"
+            )
+        if not isinstance(self.task_lr, dict):
+            raise CvlError("task_lr must be a mapping of task name: learning rate")
+        self.task_lr = {
+            str(k): POSITIVE_FLOAT.check(v, f"--task-lr {k}") for k, v in self.task_lr.items()
+        }
+        from cvl.methods.base import resolve_base_loss_args
+
+        args = resolve_base_loss_args(self.base_loss, self.base_loss_args)
+        self.base_loss_args = {k: args[k] for k in self.base_loss_args}  # typed
         if self.model not in ("clip", "fusion"):
             raise CvlError(f"--model must be clip or fusion, got '{self.model}'")
         if self.precision not in ("no", "bf16", "fp16"):
@@ -211,6 +232,7 @@ LIMITS: dict[str, Num] = {
     "checkpoint_every": NON_NEGATIVE_INT,
     "log_every": POSITIVE_INT,
     "max_steps_per_task": NON_NEGATIVE_INT,
+    "steps_per_task": NON_NEGATIVE_INT,
     "skip_nonfinite": NON_NEGATIVE_INT,
 }
 
@@ -259,8 +281,8 @@ def resolve(yaml_path: str | None, overrides: dict[str, Any]) -> TrainConfig:
     if yaml_path:
         base = load_yaml(yaml_path)
     merged = {}
-    for key in ("method_args", "tune_args", "budget_args"):  # NAME=VALUE maps: CLI adds to YAML
-        merged[key] = dict(base.get(key) or {})
+    for key in ("method_args", "tune_args", "budget_args", "base_loss_args", "task_lr"):
+        merged[key] = dict(base.get(key) or {})  # NAME=VALUE maps: the CLI adds to the YAML's
         merged[key].update(overrides.pop(key, None) or {})
     base.update(overrides)
     base.update(merged)
@@ -295,6 +317,7 @@ def parse_method_args(
 # the step count carry on). Any other change needs the task to start again (delete last/).
 MIDTASK_KEYS = {
     "lr",
+    "task_lr",
     "min_lr",
     "warmup",
     "warmup_later",

@@ -166,11 +166,22 @@ class Trainer(RunFolder, NonFiniteGuards):
             )
         self.manifest: Manifest = load_manifest(cfg.stream)
         self.mixture = build_mixture(cfg)  # --mixture: each batch's shares (cvl.data.mixture)
+        unknown = sorted(set(cfg.task_lr) - set(self.manifest.tasks))
+        if unknown:
+            raise CvlError(
+                f"--task-lr {unknown[0]}: stream '{self.manifest.name}' has no such task "
+                f"(tasks: {', '.join(self.manifest.task_order)})"
+            )
         self.cost = CostTracker(self.acc.device)  # FLOPs, memory, time (cvl.train.cost)
         self.budget = parse_budget(cfg.budget)
         self.budget_opts = budget_options(self.budget, cfg.budget_args)
         self.method_cls = get_method(cfg.method)
         self.method: Method = self.method_cls(cfg.method_args)
+        if cfg.base_loss != "itc" and getattr(self.method, "itc_only", False):
+            raise CvlError(
+                f"method '{cfg.method}' trains with its own contrastive objective: "
+                f"--base-loss {cfg.base_loss} is not available for it (use --base-loss itc)"
+            )
         if self.method.needs_buffer and not cfg.buffer:
             hint = getattr(self.method, "buffer_hint", "reservoir")
             raise CvlError(
@@ -381,8 +392,8 @@ class Trainer(RunFolder, NonFiniteGuards):
         ps = [p for p in self.model.parameters() if p.requires_grad]
         return ps + [p for p in self.method.extra_parameters() if p.requires_grad]
 
-    def _optimizer(self, steps: int, lr_lambda: Any = None):
-        opt, sched = optimizer_with_schedule(self._params(), self.cfg, steps, lr_lambda)
+    def _optimizer(self, steps: int, lr_lambda: Any = None, task: str | None = None):
+        opt, sched = optimizer_with_schedule(self._params(), self.cfg, steps, lr_lambda, task)
         # the previous task's optimizer (and its moments) leaves the accelerator's list
         self.acc.free_memory()
         self._opt = self.acc.prepare_optimizer(opt, device_placement=False)
@@ -433,7 +444,7 @@ class Trainer(RunFolder, NonFiniteGuards):
             measure_step(self, ctx, ds, gb)  # compiled graphs hide their ops: count eagerly
         count_step = self.cost.enabled and not self.cost.has_step
         ctx.lr_lambda = lr_multiplier(cfg, task_position(self, ti, total))  # --lr-schedule
-        opt, sched = self._optimizer(total, ctx.lr_lambda)
+        opt, sched = self._optimizer(total, ctx.lr_lambda, name)
         epoch0, batch0 = 0, 0
         if pos is not None:
             last = self.out / LAST
@@ -461,7 +472,7 @@ class Trainer(RunFolder, NonFiniteGuards):
 
         def plan():  # the global batches still to train, over all epochs (lazy), no more
             left = max(0, total - ctx.step) * cfg.grad_accum
-            for e in range(epoch0, cfg.epochs):
+            for e in range(epoch0, steps.epochs):
                 bs = data.epoch(e)[:usable]
                 take = bs[(batch0 if e == epoch0 else 0) :][:left]
                 left -= len(take)
@@ -480,7 +491,7 @@ class Trainer(RunFolder, NonFiniteGuards):
         )
         window = _LogWindow(acc.device)
         done = ctx.step >= total
-        for epoch in range(epoch0, cfg.epochs):
+        for epoch in range(epoch0, steps.epochs):
             if done:
                 break
             ctx.epoch = epoch

@@ -13,14 +13,26 @@ from cvl.errors import CvlError
 from cvl.train.schedules import cosine_schedule
 
 
+def task_lr(cfg: Any, task: str | None) -> float:
+    """The peak learning rate of `task`: its `task_lr` entry (the ZSCL scripts give Aircraft
+    and MNIST 5e-5, the others 1e-5), else `lr`."""
+    per = getattr(cfg, "task_lr", None) or {}
+    return float(per.get(task, cfg.lr)) if task is not None else float(cfg.lr)
+
+
 def optimizer_with_schedule(
-    params: list, cfg: Any, steps: int, lr_lambda: Callable[[int], float] | None = None
+    params: list,
+    cfg: Any,
+    steps: int,
+    lr_lambda: Callable[[int], float] | None = None,
+    task: str | None = None,
 ):
     """The training optimizer + its learning-rate schedule: AdamW, or (`optimizer: lamb`)
     LAMB (You et al. 2020; timm's, with no clipping of its own: `grad_clip` does that), no
     weight decay on gains, biases and scales (LAMB's trust ratio only where weights decay, as
-    NVLAMB). `lr_lambda`: the multiplier of --lr at each step of the task
-    (`cvl.train.schedules.lr_multiplier`); default: warm-up + cosine over `steps`."""
+    NVLAMB). The peak rate is `task_lr(cfg, task)`; `lr_lambda`: its multiplier at each step
+    of the task (`cvl.train.schedules.lr_multiplier`); default: warm-up + cosine over `steps`."""
+    lr = task_lr(cfg, task)
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
     groups = [
@@ -32,16 +44,16 @@ def optimizer_with_schedule(
         if getattr(cfg, "optimizer", "adamw") == "lamb":
             from timm.optim import Lamb
 
-            opt = Lamb(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, max_grad_norm=None)
+            opt = Lamb(groups, lr=lr, betas=betas, eps=cfg.eps, max_grad_norm=None)
         else:
-            opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
+            opt = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=cfg.eps)
     except ValueError as e:
         raise CvlError(
             f"the optimizer refuses the settings ({e}): check --lr, --weight-decay and the "
             "--config values beta1, beta2, eps"
         ) from None
     if lr_lambda is None:
-        lr_lambda = cosine_schedule(steps, cfg.warmup, cfg.lr, cfg.min_lr)
+        lr_lambda = cosine_schedule(steps, cfg.warmup, lr, cfg.min_lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
     return opt, sched
 

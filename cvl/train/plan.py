@@ -43,6 +43,13 @@ class TaskPlan:
         return self.batches_per_epoch // self.grad_accum
 
     @property
+    def epochs(self) -> int:
+        """Passes over the task's data its steps take (--epochs, or as many as
+        --steps-per-task needs)."""
+        per = self.steps_per_epoch
+        return -(-self.steps // per) if per else 0
+
+    @property
     def usable_batches(self) -> int:
         """Batches of an epoch that belong to a complete optimizer step."""
         return self.steps_per_epoch * self.grad_accum
@@ -64,8 +71,11 @@ class TaskPlan:
 
 def steps_of(batches: int, cfg: Any) -> int:
     """Optimizer steps of a task of `batches` global batches per epoch: epochs × complete
-    accumulations, capped by --max-steps-per-task (0 when an epoch cannot fill one step)."""
-    steps = (batches // cfg.grad_accum) * cfg.epochs
+    accumulations, or --steps-per-task (as many epochs as they take), capped by
+    --max-steps-per-task; 0 when an epoch cannot fill one step."""
+    per = batches // cfg.grad_accum
+    fixed = getattr(cfg, "steps_per_task", 0)
+    steps = (fixed if fixed else per * cfg.epochs) if per else 0
     return min(steps, cfg.max_steps_per_task) if cfg.max_steps_per_task else steps
 
 

@@ -122,6 +122,10 @@ class RunFolder:
         broadcast_module(self.model)
         from cvl.models.tune import Tuning
 
+        if cfg.base_loss == "class-ce":  # as the ZSCL code: the logit scale is never trained
+            from cvl.methods.base import freeze_logit_scale
+
+            freeze_logit_scale(self.model)
         self.tuning = Tuning(cfg.tune, cfg.tune_args)  # which parameters train (cvl.models.tune)
         self.tuning.apply(self.model, self._tune_seed(0))
         from cvl.train.plan import batchnorm_message, needs_two_rows
@@ -336,9 +340,11 @@ class RunFolder:
                 f"({why}); delete {last}/ to restart the task from its beginning "
                 "(finished tasks are kept)"
             ) from None
-        self._apply_forced_settings(opt, sched, total, ctx.lr_lambda)
+        self._apply_forced_settings(opt, sched, total, ctx.lr_lambda, ctx.task_name)
 
-    def _apply_forced_settings(self, opt: Any, sched: Any, total: int, lr_lambda: Any) -> None:
+    def _apply_forced_settings(
+        self, opt: Any, sched: Any, total: int, lr_lambda: Any, task: str
+    ) -> None:
         """After a --force resume that changed lr, min_lr, warmup, weight decay, betas or eps:
         this config's settings and schedule from the resumed step on (the loaded state holds
         the old ones). The optimizer's moments and the step count are kept."""
@@ -346,7 +352,9 @@ class RunFolder:
 
         if not (getattr(self, "_forced", set()) & MIDTASK_KEYS):
             return
-        fresh, fresh_sched = optimizer_with_schedule(self._params(), self.cfg, total, lr_lambda)
+        fresh, fresh_sched = optimizer_with_schedule(
+            self._params(), self.cfg, total, lr_lambda, task
+        )
         for g, f in zip(opt.param_groups, fresh.param_groups):
             g.update({k: v for k, v in f.items() if k != "params"})
         sched.base_lrs = list(fresh_sched.base_lrs)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -72,6 +73,15 @@ class TaskContext:
         """The frozen model saved at the end of the previous task (None on the first task)."""
         return self.services.previous_model(self) if self.task_index > 0 else None
 
+    def initial_model(self) -> nn.Module:
+        """A frozen copy of the run's initial weights (`RUN/init/`, where task 0 started)."""
+        from cvl.models import load_weights
+        from cvl.runs import MODEL_FILE
+
+        m = frozen_copy(self.model)
+        load_weights(m, Path(self.run_dir) / "init" / MODEL_FILE)
+        return m
+
 
 def frozen_copy(model: nn.Module) -> nn.Module:
     """A deep copy with gradients off, in eval mode (reference / old / teacher models); a model
@@ -109,6 +119,8 @@ class Method:
     trains = True
     #: True if the method cannot work without a replay buffer.
     needs_buffer = False
+    #: The `--tune` modes the method works with (None: any); the loop refuses the others.
+    tunes: tuple[str, ...] | None = None
 
     def __init__(self, args: dict[str, Any] | None = None) -> None:
         self.args = self.resolve_args(args or {})
@@ -194,7 +206,7 @@ class Method:
         pass
 
 
-_PASSED = ("needs_buffer", "buffer_hint", "selects_best_val", "trains")
+_PASSED = ("needs_buffer", "buffer_hint", "selects_best_val", "trains", "tunes")
 
 
 class Wrapper(Method):
@@ -219,9 +231,12 @@ class Wrapper(Method):
             raise CvlError(
                 f"method '{self.name}' (base {base}): {e}; {self.name}'s own: {own_args}"
             ) from None
+        own_tunes = type(self).tunes
         for k in _PASSED:
             if hasattr(self.inner, k):
                 setattr(self, k, getattr(self.inner, k))
+        if own_tunes is not None:  # the modes both work with
+            self.tunes = tuple(t for t in own_tunes if self.tunes is None or t in self.tunes)
 
     # -- every hook goes to the base method ---------------------------------------------------
     def setup(self, ctx: TaskContext) -> None:

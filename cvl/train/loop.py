@@ -160,6 +160,9 @@ class Trainer(RunFolder, NonFiniteGuards):
             raise CvlError(
                 f"method '{cfg.method}' needs a replay buffer: add --buffer {hint} --buffer-size N"
             )
+        tunes = getattr(self.method, "tunes", None)
+        if tunes and cfg.tune not in tunes:
+            raise CvlError(f"method '{cfg.method}' needs --tune {' or '.join(tunes)}")
         self._lock_run_dir()
         try:
             self._prepare_run_dir(force)

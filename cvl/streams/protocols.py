@@ -22,6 +22,11 @@ Presets (see /work/shared/METHODS.md "Protocol facts" and the papers):
 - ``dkr-s1`` DKR Setting-1: COCO (80K train / 5K test) -> Flickr30K -> IAPR TC-12
   (15K / 5K random) -> EC -> RSICD (train+val 9,828 / test 1,093).
 - ``dkr-s2`` DKR Setting-2: EC in 5 random parts; benchmarks Flickr30K(1K), COCO(5K), EC(5K).
+- ``cclip`` C-CLIP (ICLR 2025): Flickr30K -> COCO -> Pets -> Lexica -> Simpsons -> WikiArt ->
+  Kream -> Sketch, each caption a training sample (Karpathy splits for the first two; the six
+  others are tables built with `recipes/cclip_table.py` + `cvl build-stream table`,
+  datasets/cclip.md); zero-shot retention on classification sets is `cvl eval
+  --zeroshot-folder`.
 
 Each part's own test set is the same random part of its source's test set; the full test
 sets are the benchmarks.
@@ -54,6 +59,15 @@ URL_SOURCES = {
     "cc12m": "cvl build-stream cc12m --tsv cc12m.tsv --out streams/cc12m --chunks 1 "
     "--sample 10000000",
 }
+# C-CLIP's six caption datasets from the Hugging Face hub (datasets/cclip.md)
+CCLIP_TABLES = ("pets", "lexica", "simpsons", "wikiart", "kream", "sketch")
+for _s in CCLIP_TABLES:
+    URL_SOURCES[_s] = (
+        f"python recipes/cclip_table.py table {_s} --hf DIR --out tables/{_s} && cvl "
+        f"build-stream table --input tables/{_s}/pairs.jsonl --url-col path --caption-col "
+        f"caption --split-col split --out streams/{_s}"
+    )
+CARDS = {s: "cclip" for s in CCLIP_TABLES}  # sources documented in another card
 
 
 @dataclass
@@ -116,6 +130,15 @@ PRESETS: dict[str, Preset] = {
         {"ec": {}, "coco": {"restval": "val"}, "flickr30k": {}},
         _parts("ec", "ec", 5),
         [("f30k-1k", "flickr30k"), ("coco-5k", "coco"), ("ec-5k", "ec")],
+    ),
+    "cclip": Preset(
+        "C-CLIP: Flickr30K -> COCO -> Pets -> Lexica -> Simpsons -> WikiArt -> Kream -> Sketch",
+        {
+            "flickr30k": {"train_samples": "caption"},
+            "coco": {"train_samples": "caption"},
+            **{s: {} for s in CCLIP_TABLES},
+        },
+        [(s, s, None) for s in ("flickr30k", "coco", *CCLIP_TABLES)],
     ),
 }
 
@@ -256,7 +279,7 @@ def build_protocol(
         s = missing[0]
         raise CvlError(
             f"protocol {preset} needs a '{s}' stream: build it first ({URL_SOURCES[s]}) "
-            f"and pass --stream {s}=PATH (see datasets/{s}.md)"
+            f"and pass --stream {s}=PATH (see datasets/{CARDS.get(s, s)}.md)"
         )
     to_build = [s for s in p.sources if s not in given]
     if to_build and data is None:
@@ -348,7 +371,7 @@ def protocol_cmd(
     set_specs: tuple[str, ...],
     **kw: Any,
 ) -> None:
-    """A paper's benchmark stream in one command (Mod-X, DHA, DKR presets).
+    """A paper's benchmark stream in one command (Mod-X, DHA, DKR, C-CLIP presets).
 
     \b
     Presets:
@@ -358,6 +381,8 @@ def protocol_cmd(
       dha-citm        COCO 100k/13,287/5k -> CC3M -> WIT -> GoodNews (--stream each)
       dkr-s1          COCO -> Flickr30K -> IAPR TC-12 -> EC -> RSICD
       dkr-s2          EC in 5 parts; benchmarks Flickr30K(1K), COCO(5K), EC(5K)
+      cclip           Flickr30K -> COCO -> Pets -> Lexica -> Simpsons -> WikiArt -> Kream ->
+                      Sketch (--stream each of the last six: datasets/cclip.md)
     \b
     --data layout (only the sources a preset uses):
       coco/dataset_coco.json  coco/train2014/  coco/val2014/

@@ -6,8 +6,10 @@ final model's Rm and TR@1 (last row of the R matrix), forgetting (mean over task
 max earlier R - final R), IncCLIP's BWT, the final model's Rm on the merged test set of all
 tasks (CTP protocol) and its Rm on task 0. With `--cost`, also what each run cost to train
 (run.json "cost", `cvl.train.cost`): total TFLOPs (training steps + extras) and optimizer steps.
+With `--diagonal`, also the mean over tasks of R[t][t] (each task's Rm right after training on
+it: the score of a routing that knows the task, e.g. `lora_per_task` with route=task).
 
-    .venv/bin/python recipes/seeds_table.py ROOT seqft,joint,er,modx,... [--cost]
+    .venv/bin/python recipes/seeds_table.py ROOT seqft,joint,er,modx,... [--cost] [--diagonal]
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ COLUMNS = (
 
 
 COST_COLUMNS = ("TFLOPs", "steps")
+DIAGONAL = "avg diagonal Rm"
 
 
 def cost(run: Path) -> dict[str, float | None]:
@@ -55,6 +58,7 @@ def headline(m: dict) -> dict[str, float | None]:
         "forgetting TR@1": cont.get("TR@1", {}).get("forgetting"),
         "merged Rm": (m.get("final") or {}).get("Rm"),
         "task-0 Rm": last_rm[0],
+        DIAGONAL: statistics.mean(r[t] for t, r in enumerate(m["matrices"]["Rm"][-len(last_rm) :])),
     }
 
 
@@ -66,9 +70,9 @@ def cell(xs: list[float], digits: int = 1) -> str:
     return f"{statistics.mean(xs):.{digits}f} ± {statistics.stdev(xs):.{digits}f}"
 
 
-def main(root: str, runs: str, with_cost: bool = False) -> None:
+def main(root: str, runs: str, with_cost: bool = False, diagonal: bool = False) -> None:
     seeds = sorted(p for p in Path(root).glob("s[0-9]*") if p.is_dir())
-    cols = COLUMNS + (COST_COLUMNS if with_cost else ())
+    cols = COLUMNS + ((DIAGONAL,) if diagonal else ()) + (COST_COLUMNS if with_cost else ())
     print("| run | seeds | " + " | ".join(cols) + " |")
     print("|---|---|" + "---|" * len(cols))
     for run in runs.split(","):
@@ -86,7 +90,8 @@ def main(root: str, runs: str, with_cost: bool = False) -> None:
 
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if a != "--cost"]
+    flags = {"--cost", "--diagonal"}
+    args = [a for a in sys.argv[1:] if a not in flags]
     if len(args) != 2:
         sys.exit(__doc__)
-    main(args[0], args[1], with_cost="--cost" in sys.argv[1:])
+    main(args[0], args[1], with_cost="--cost" in sys.argv[1:], diagonal="--diagonal" in sys.argv)

@@ -10,7 +10,8 @@
 #   5. Mod-X's rotation analysis (SAM / RAM / ImAV) of seqft vs Mod-X.
 #
 # Usage: recipes/demo.sh [OUT_DIR]   (METHODS="seqft modx" to choose the methods: any
-#        `cvl methods` name, er, dha-dagger, NAME+MODE for `--tune MODE` (seqft+lora);
+#        `cvl methods` name, er, dha-dagger, NAME+MODE for `--tune MODE` (seqft+lora),
+#        NAME-lrX for `--lr X` (seqft+lora-lr5e-3), lora_per_task-task (route=task);
 #        SEED=N; sizes PER_TASK=250 pairs per task,
 #        PRETRAIN=1500 pretraining pairs, TEST=100 test pairs per task;
 #        BUDGET=SPEC trains every method to that `cvl train --budget` into runs/METHOD-budget
@@ -59,7 +60,9 @@ step "2. CLIP_0: train on the pretraining stream ($STREAM/pretrain)"
 
 args_of() {  # the method's CLI arguments (paper defaults; replay 5 % of the stream, IncCLIP 10 %)
   case "$1" in
+    *-lr*) echo "$(args_of "${1%-lr*}") --lr ${1##*-lr}" ;;  # NAME-lrX: with --lr X (5e-3, ...)
     *+*) echo "$(args_of "${1%%+*}") --tune ${1#*+}" ;;  # NAME+MODE: with --tune MODE (lora, ...)
+    lora_per_task-task) echo "--method lora_per_task --method-arg route=task" ;;  # oracle routing
     er) echo "--method seqft --buffer reservoir --buffer-size $BUF" ;;
     dha) echo "--method dha --buffer ring --buffer-size $BUF" ;;
     dha-dagger) echo "--method dha" ;;  # DHA without its buffer (DHA† in the paper)

@@ -10,7 +10,10 @@ With `--tic` (time-ordered streams, `recipes/tic.sh`): TiC-CLIP's in-distributio
 forward transfer (metrics.json "tic", mR@1 on the per-period retrieval sets), the final model's
 mR@1 averaged over all periods, then the cost columns.
 
-    .venv/bin/python recipes/seeds_table.py ROOT seqft,joint,er,modx,... [--cost] [--tic]
+With `--diagonal`, also the mean over tasks of R[t][t] (each task's Rm right after training on
+it: the score of a routing that knows the task, e.g. `lora_per_task` with route=task).
+
+    .venv/bin/python recipes/seeds_table.py ROOT seqft,joint,er,modx,... [--cost] [--tic] [--diagonal]
 """
 
 from __future__ import annotations
@@ -47,6 +50,9 @@ def tic(m: dict) -> dict[str, float | None]:
     }
 
 
+DIAGONAL = "avg diagonal Rm"
+
+
 def cost(run: Path) -> dict[str, float | None]:
     """Total TFLOPs and optimizer steps of the run folder `run` (None when not recorded)."""
     f = run / "run.json"
@@ -71,6 +77,7 @@ def headline(m: dict) -> dict[str, float | None]:
         "forgetting TR@1": cont.get("TR@1", {}).get("forgetting"),
         "merged Rm": (m.get("final") or {}).get("Rm"),
         "task-0 Rm": last_rm[0],
+        DIAGONAL: statistics.mean(r[t] for t, r in enumerate(m["matrices"]["Rm"][-len(last_rm) :])),
     }
 
 
@@ -82,10 +89,13 @@ def cell(xs: list[float], digits: int = 1) -> str:
     return f"{statistics.mean(xs):.{digits}f} ± {statistics.stdev(xs):.{digits}f}"
 
 
-def main(root: str, runs: str, with_cost: bool = False, with_tic: bool = False) -> None:
+def main(
+    root: str, runs: str, with_cost: bool = False, with_tic: bool = False, diagonal: bool = False
+) -> None:
     seeds = sorted(p for p in Path(root).glob("s[0-9]*") if p.is_dir())
     with_cost = with_cost or with_tic
-    cols = (TIC_COLUMNS if with_tic else COLUMNS) + (COST_COLUMNS if with_cost else ())
+    cols = (TIC_COLUMNS if with_tic else COLUMNS) + ((DIAGONAL,) if diagonal else ())
+    cols += COST_COLUMNS if with_cost else ()
     summary = tic if with_tic else headline
     print("| run | seeds | " + " | ".join(cols) + " |")
     print("|---|---|" + "---|" * len(cols))
@@ -99,12 +109,14 @@ def main(root: str, runs: str, with_cost: bool = False, with_tic: bool = False) 
         if not rows:
             continue
         digits = {"TFLOPs": 3, "steps": 0}
-        cells = [cell([r[c] for r in rows if r[c] is not None], digits.get(c, 1)) for c in cols]
+        cells = [cell([r[c] for r in rows if r.get(c) is not None], digits.get(c, 1)) for c in cols]
         print(f"| {run} | {len(rows)} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if a not in ("--cost", "--tic")]
+    flags = {"--cost", "--tic", "--diagonal"}
+    args = [a for a in sys.argv[1:] if a not in flags]
     if len(args) != 2:
         sys.exit(__doc__)
-    main(args[0], args[1], with_cost="--cost" in sys.argv[1:], with_tic="--tic" in sys.argv[1:])
+    given = set(sys.argv[1:])
+    main(args[0], args[1], "--cost" in given, "--tic" in given, "--diagonal" in given)

@@ -31,6 +31,8 @@ METHOD_EXTRA: dict[str, list[str]] = {
         *("--method-arg", "n_pseudo=16", "--method-arg", "gen_steps=2"),  # every path, cheaper
     ],
     "zscl": ["--method-arg", "ref_stream={stream}"],  # the reference set: the stream itself
+    "cclip": ["--tune", "lora"],  # a LoRA per task (the method requires it)
+    "lora_per_task": ["--tune", "lora"],
 }
 
 

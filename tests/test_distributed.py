@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from device_helpers import dist_env, shared_device
-from reliability_helpers import build_tiny_stream, cli, train_argv, trained_methods
+from reliability_helpers import build_tiny_stream, cli, method_args, train_argv, trained_methods
 from safetensors.torch import load_file
 from test_method_dha import assert_weights_close
 
@@ -271,12 +271,17 @@ def test_every_method_two_processes_equal_one(method, dist_runs):
     w1 = load_file(str(finished_tasks(root / "one" / method)[-1].model_path))
     w2 = load_file(str(finished_tasks(root / "two" / method)[-1].model_path))
     assert_weights_close(w1, w2, atol=WEIGHT_ATOL, key_bias_atol=KEY_BIAS_ATOL)
-    assert_same_step_cost(root / "one" / method, root / "two" / method)
+    # adapters (--tune lora, ...): each rank computes ΔW = B·A once per step whatever its batch
+    # (and C-CLIP its projector on the gathered batch), so the ranks' sum counts that work
+    # twice; measured +2.2 % (cclip) and +2.3 % (lora_per_task) at batch 8 per rank
+    rel = 0.03 if "--tune" in method_args(method) else 0.01
+    assert_same_step_cost(root / "one" / method, root / "two" / method, rel)
 
 
-def assert_same_step_cost(one: Path, two: Path) -> None:
-    """task.json's cost sums the ranks: 2 processes × batch B count the FLOPs of 1 × 2B."""
+def assert_same_step_cost(one: Path, two: Path, rel: float = 0.01) -> None:
+    """task.json's cost sums the ranks: 2 processes × batch B count the FLOPs of 1 × 2B
+    (within `rel`)."""
     for a, b in zip(finished_tasks(one), finished_tasks(two)):
         ca, cb = (json.loads((c.path / "task.json").read_text())["cost"] for c in (a, b))
         assert (ca["processes"], cb["processes"]) == (1, 2) and ca["samples"] == cb["samples"]
-        assert abs(cb["flops_per_step"] - ca["flops_per_step"]) <= 0.01 * ca["flops_per_step"]
+        assert abs(cb["flops_per_step"] - ca["flops_per_step"]) <= rel * ca["flops_per_step"]

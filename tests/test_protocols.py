@@ -1,8 +1,8 @@
-"""`cvl build-stream protocol PRESET`: the six paper protocols from fixture data, one step each.
+"""`cvl build-stream protocol PRESET`: the seven paper protocols from fixture data, one step each.
 
 The archive sources come from the tiny real-format datasets of `archive_helpers`; the URL
-sources a preset needs (cc3m, wit, goodnews, cc12m) are one-task synthetic streams passed
-with --stream (the preset takes any stream for them). Expected counts follow from the
+sources a preset needs (cc3m, wit, goodnews, cc12m; C-CLIP's six hub tables) are one-task
+synthetic streams passed with --stream (the preset takes any stream for them). Expected counts follow from the
 fixture sizes and each preset's rules (restval -> val for Mod-X / DKR, DHA's 'rest of the
 training draw is val', IAPR 25% test, RSICD val -> train, parts of K).
 """
@@ -17,6 +17,7 @@ from archive_helpers import FAST, write_data_root
 
 from cvl.cli import main
 from cvl.streams.manifest import load_manifest
+from cvl.streams.protocols import CCLIP_TABLES
 
 TINY_TRAIN = ["--method", "seqft", "--model-config", "tiny", "--epochs", "1", "--batch-size"]
 TINY_TRAIN += ["4", "--max-steps-per-task", "1", "--log-with", "none", "--checkpoint-every", "0"]
@@ -75,6 +76,14 @@ EXPECTED = {
         {},
     ),
     "dkr-s2": (_parts("ec", PARTS5_EC), {"f30k-1k": 5, "coco-5k": 6, "ec-5k": 6}),
+    "cclip": (  # each training caption its own sample (restval -> train): 5 per image
+        _merge(
+            _one("flickr30k", {"train": 75, "val": 5, "test": 5}),
+            _one("coco", {"train": 90, "val": 5, "test": 6}),
+            *(_one(t, SYN) for t in CCLIP_TABLES),
+        ),
+        {},
+    ),
 }
 EXTRA = {"dha-citm": ["--set", "coco.max_train=10"]}  # 100,000 of the fixture's 18 is all
 
@@ -88,7 +97,7 @@ def raw(tmp_path_factory) -> dict[str, Path]:
     base = ["build-stream", "synthetic", "--tasks", "1", "--per-task", "20", "--quiet"]
     base += ["--test-per-task", "10", "--val-per-task", "10", "--image-size", "24"]
     base += ["--query-per-task", "0", "--gallery-per-task", "0"]
-    for i, s in enumerate(("cc3m", "wit", "goodnews", "cc12m")):
+    for i, s in enumerate(("cc3m", "wit", "goodnews", "cc12m", *CCLIP_TABLES)):
         assert main([*base, "--seed", str(i), "--out", str(syn / s)]) == 0
     return {"data": data, "streams": syn, "root": root}
 

@@ -30,6 +30,7 @@ PAPER_RECIPES = [
     "mtil.sh",
 ]
 FOMO = "fomo.sh"  # FoMo-in-Flux-style study (test_fomo_smoke)
+CCLIP = "cclip.sh"  # C-CLIP's protocol (test_cclip_smoke)
 
 
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
@@ -43,7 +44,7 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
     return {**os.environ, **env}
 
 
-@pytest.mark.parametrize("name", [*PAPER_RECIPES, FOMO])
+@pytest.mark.parametrize("name", [*PAPER_RECIPES, FOMO, CCLIP])
 def test_recipe_is_valid_bash_with_help(name, tmp_path):
     """`bash -n` parses it; --help prints its header and the common options, exit 0."""
     path = RECIPES / name
@@ -199,3 +200,28 @@ def test_fomo_smoke(tmp_path):
         t0 = json.loads((out / "runs" / run / "tasks" / "00-t0" / "task.json").read_text())
         assert t0["mixture"]["per_batch"] == {"pretrain": 4, "task": 4, "buffer": 0}
         assert t0["steps"] == 12
+
+
+@pytest.mark.recipes
+def test_cclip_smoke(tmp_path):
+    """`recipes/cclip.sh --smoke`: C-CLIP's eight tasks in its order (synthetic stand-ins), a
+    held-out domain as the zero-shot classification folder, CLIP_0, then C-CLIP and the
+    separate per-task LoRAs (both with --tune lora); compare.json has both runs with a finite
+    Rm and zero-shot retention (A_ZS); each evaluation scores the start first."""
+    out = tmp_path / "out"
+    cmd = ["bash", str(RECIPES / CCLIP), "--smoke", "--out", str(out)]
+    r = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    cj = json.loads((out / "compare" / "compare.json").read_text())
+    assert [row["run"] for row in cj["runs"]] == ["cclip", "lora-per-task"]
+    for row in cj["runs"]:
+        for col in ("Rm", "A_ZS"):
+            assert 0.0 <= row[col] <= 100.0, (col, row)
+    order = ["flickr30k", "coco", "pets", "lexica", "simpsons", "wikiart", "kream", "sketch"]
+    for run, method in (("cclip", "cclip"), ("lora-per-task", "lora_per_task")):
+        rj = json.loads((out / "runs" / run / "run.json").read_text())
+        assert rj["stream"]["task_order"] == order
+        assert rj["config"]["method"] == method and rj["config"]["tune"] == "lora"
+        m = json.loads((out / "runs" / run / "eval" / "metrics.json").read_text())
+        assert m["fomo"]["rows"][0] == "init" and len(m["fomo"]["zs"]) == 9
+        assert m["fomo"]["held_out"] == [str(out / "heldout" / "t8")]

@@ -294,7 +294,7 @@ def test_options_and_errors(tmp_path, capsys):
         Tuning("qlora")
     with pytest.raises(CvlError, match="unknown"):
         Tuning("lora", {"dropout": 0.1})
-    with pytest.raises(CvlError, match="applies to --tune lora or dora"):
+    with pytest.raises(CvlError, match="applies to --tune lora or dora or vera"):
         Tuning("bitfit", {"rank": 4})
     with pytest.raises(CvlError, match="matches no weight"):
         Tuning("lora", {"targets": "*nothing*"}).apply(build_model("clip", "tiny"), 0)
@@ -304,8 +304,8 @@ def test_options_and_errors(tmp_path, capsys):
     assert cfg.tune == "lora" and cfg.tune_args == {"rank": 2, "alpha": 16.0}
     assert main(["train", "--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert "--tune [full|lora|dora|bitfit|lnfit|locked-image|locked-text]" in out
-    assert "LoRA / DoRA adapters" in out and "rank (8), alpha (8)" in out
+    assert "--tune [full|lora|dora|vera|bitfit|lnfit|locked-image|locked-text]" in out
+    assert "LoRA / DoRA / VeRA adapters" in out and "rank (8), alpha (8)" in out
     assert main(["train", "--stream", "s", "--out", "o", "--tune-arg", "x"]) == 2
     assert "--tune-arg 'x': expected NAME=VALUE" in capsys.readouterr().err
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -116,6 +117,15 @@ class TaskContext:
         """The frozen model saved at the end of the previous task (None on the first task)."""
         return self.services.previous_model(self) if self.task_index > 0 else None
 
+    def initial_model(self) -> nn.Module:
+        """A frozen copy of the run's initial weights (`RUN/init/`, where task 0 started)."""
+        from cvl.models import load_weights
+        from cvl.runs import MODEL_FILE
+
+        m = frozen_copy(self.model)
+        load_weights(m, Path(self.run_dir) / "init" / MODEL_FILE)
+        return m
+
 
 def state_mismatch(method: str, key: str, saved: Any, names: Any) -> str:
     """Why a saved per-parameter state (`key`: tensors by parameter name) does not fit the
@@ -177,6 +187,8 @@ class Method:
     #: True for methods whose objective is their own contrastive loss (momentum, replay-aware
     #: or pseudo-negative ITC): they refuse `--base-loss class-ce`.
     itc_only = False
+    #: The `--tune` modes the method works with (None: any); the loop refuses the others.
+    tunes: tuple[str, ...] | None = None
 
     def __init__(self, args: dict[str, Any] | None = None) -> None:
         self.args = self.resolve_args(args or {})
@@ -256,7 +268,7 @@ class Method:
         pass
 
 
-_PASSED = ("needs_buffer", "buffer_hint", "selects_best_val", "trains", "itc_only")
+_PASSED = ("needs_buffer", "buffer_hint", "selects_best_val", "trains", "itc_only", "tunes")
 
 
 class Wrapper(Method):
@@ -281,9 +293,12 @@ class Wrapper(Method):
             raise CvlError(
                 f"method '{self.name}' (base {base}): {e}; {self.name}'s own: {own_args}"
             ) from None
+        own_tunes = type(self).tunes
         for k in _PASSED:
             if hasattr(self.inner, k):
                 setattr(self, k, getattr(self.inner, k))
+        if own_tunes is not None:  # the modes both work with
+            self.tunes = tuple(t for t in own_tunes if self.tunes is None or t in self.tunes)
 
     # -- every hook goes to the base method ---------------------------------------------------
     def setup(self, ctx: TaskContext) -> None:

@@ -15,12 +15,15 @@ def methods(verbose: bool) -> None:
     """
     from cvl.methods.registry import all_methods
 
-    for name, cls in all_methods().items():
-        click.echo(f"{name:<10} {cls.summary()}")
+    reg = all_methods()
+    w = max(len(n) for n in reg)
+    pad = " " * (w + 1)
+    for name, cls in reg.items():
+        click.echo(f"{name:<{w}} {cls.summary()}")
         if cls.defaults:
-            click.echo(
-                " " * 11 + "defaults: " + ", ".join(f"{k}={v}" for k, v in cls.defaults.items())
-            )
+            click.echo(pad + "defaults: " + ", ".join(f"{k}={v}" for k, v in cls.defaults.items()))
+        if cls.tunes:
+            click.echo(pad + f"needs: --tune {' or '.join(cls.tunes)}")
         if verbose and cls.__doc__:
             for line in cls.__doc__.strip().splitlines()[1:]:
-                click.echo(" " * 11 + line.strip())
+                click.echo(pad + line.strip())

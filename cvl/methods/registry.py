@@ -40,6 +40,8 @@ METHOD_MODULES = [
     "cvl.methods.task_arith",
     "cvl.methods.ties",
     "cvl.methods.model_stock",
+    "cvl.methods.cclip",
+    "cvl.methods.lora_per_task",
 ]
 
 

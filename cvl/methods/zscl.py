@@ -72,7 +72,7 @@ from cvl.data.transforms import image_transform
 from cvl.device import to_device
 from cvl.errors import CvlError
 from cvl.losses import global_logits, kl_rows
-from cvl.methods.base import TaskContext, Wrapper, frozen_copy
+from cvl.methods.base import TaskContext, Wrapper
 from cvl.methods.merging import clone_weights, floating_state, write_
 from cvl.methods.registry import register
 from cvl.methods.regularizers import trainable
@@ -161,11 +161,7 @@ class ZSCL(Wrapper):
             tokenize=model.tokenizer,
         )
         if self.args["teacher"] == "init":
-            from cvl.models import load_weights
-            from cvl.runs import MODEL_FILE
-
-            self.teacher = frozen_copy(model)
-            load_weights(self.teacher, Path(ctx.run_dir) / "init" / MODEL_FILE)
+            self.teacher = ctx.initial_model()
 
     def before_task(self, ctx: TaskContext) -> None:
         super().before_task(ctx)

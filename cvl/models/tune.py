@@ -9,6 +9,17 @@ Modes (orthogonal to the method, as `--buffer` is):
 - `dora` (Liu et al. 2024): W' = m ⊙ V/‖V‖ with V = W + (α/r)·B·A, ‖·‖ the norm of each output
   row (peft's layout), m (one scale per output row, initialised to ‖W‖) trains with A and B;
   ‖V‖ is detached from the gradient (DoRA §4.3, as peft does).
+- `vera` (Kopiczko et al., ICLR 2024): W' = W + Λ_b·B·Λ_d·A with one pair of *frozen random*
+  matrices A ∈ R^{r×n_in}, B ∈ R^{n_out×r} shared by every adapted weight (drawn once at the
+  largest fan-in / fan-out among the targets; each weight uses the top-left block
+  A[:, :fan_in], B[:out, :], VeRA §3.1 and peft's `VeraModel._find_dim` / `Linear.forward`),
+  Λ_d = diag(d), Λ_b = diag(b) the trained scaling vectors (d ∈ R^r starts at `d_initial` =
+  0.1, b ∈ R^out at 0, peft's `reset_vera_parameters`). A and B are Kaiming-uniform
+  (bound √(6/fan_in), peft's `_kaiming_init`) from `projection_seed` (peft's
+  `projection_prng_key`, default 0: A drawn first, then B); they are never saved (peft's
+  `save_projection=False`): a function of (seed, rank, shapes), rebuilt identically on
+  every rank, task and resume. Defaults r = 256 (peft's `VeraConfig`), no α (VeRA has no
+  scale; `alpha` is refused).
 - `bitfit` (Zaken et al. 2022): only the biases train (every parameter named `*bias`,
   including MultiheadAttention's `in_proj_bias` and norm layers' biases).
 - `lnfit`: only the normalisation layers' affine parameters train (LayerNorm, and the
@@ -23,7 +34,7 @@ trains it), and BatchNorm layers none of whose parameters train keep their runni
 (they run in eval mode; `--tune-arg bn_stats=train` lets them update, open_clip's default for a
 locked tower).
 
-**Adapters** (`lora`, `dora`) are `torch.nn.utils.parametrize` parametrizations of the weight
+**Adapters** (`lora`, `dora`, `vera`) are `torch.nn.utils.parametrize` parametrizations of the weight
 tensors, so they work on any Parameter however the module reads it: open_clip's fused
 `in_proj_weight` of `nn.MultiheadAttention` (read inside `F.multi_head_attention_forward`),
 the attention-pool projections its ResNet tower passes to that function, timm's and the fusion
@@ -39,7 +50,8 @@ parameter names (`targets=*visual*in_proj_weight`); several joined with `+`. Tie
 parametrization acts on the weight, not on the layer input (peft's `lora_dropout`).
 
 **Per task**: each task starts with a fresh adapter (A drawn from the run seed and the task
-index, B = 0, m = ‖W‖, so the model computes exactly its start weights) and ends with the
+index, B = 0, m = ‖W‖; VeRA: d = `d_initial`, b = 0; so the model computes exactly its start
+weights) and ends with the
 adapter merged into W (W ← W', then the adapter's delta is zero again). Checkpoints therefore
 always hold the plain merged weights under the model's own key names (`cvl.models.save_weights`
 writes the effective weights of an adapted model), so `cvl eval`, analysis and `cvl export`
@@ -65,15 +77,31 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from cvl.checks import POSITIVE_FLOAT, POSITIVE_INT
+from cvl.checks import POSITIVE_FLOAT, POSITIVE_INT, SEED
 from cvl.errors import CvlError
 
-MODES = ("full", "lora", "dora", "bitfit", "lnfit", "locked-image", "locked-text")
-ADAPTER_MODES = ("lora", "dora")
-DEFAULT_ARGS: dict[str, Any] = {"rank": 8, "alpha": 8.0, "targets": "linear", "bn_stats": "frozen"}
-_ADAPTER_ARGS = ("rank", "alpha", "targets")
-# rank >= 1; α > 0 (the adapter's scale α/r: 0 would make every adapter a no-op)
-_LIMITS = {"rank": POSITIVE_INT, "alpha": POSITIVE_FLOAT}
+MODES = ("full", "lora", "dora", "vera", "bitfit", "lnfit", "locked-image", "locked-text")
+ADAPTER_MODES = ("lora", "dora", "vera")
+DEFAULT_ARGS: dict[str, Any] = {
+    "rank": 8,
+    "alpha": 8.0,
+    "targets": "linear",
+    "bn_stats": "frozen",
+    "d_initial": 0.1,
+    "projection_seed": 0,
+}
+VERA_RANK = 256  # peft's VeraConfig.r: the default rank of --tune vera
+_ADAPTER_ARGS = ("rank", "alpha", "targets", "d_initial", "projection_seed")
+# arguments of some adapter modes only (the others refuse them)
+_MODE_ARGS = {"alpha": ("lora", "dora"), "d_initial": ("vera",), "projection_seed": ("vera",)}
+# rank >= 1; α > 0 (the adapter's scale α/r: 0 would make every adapter a no-op); VeRA's d
+# starts at d_initial > 0 (0 would make its adapters no-ops too)
+_LIMITS = {
+    "rank": POSITIVE_INT,
+    "alpha": POSITIVE_FLOAT,
+    "d_initial": POSITIVE_FLOAT,
+    "projection_seed": SEED,
+}
 _PARAM = ".parametrizations."
 _TRAINED_ATTR = "_cvl_trained_names"
 _NORMS = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm)
@@ -85,7 +113,23 @@ def _row_norm(w: torch.Tensor) -> torch.Tensor:
     return n.view(-1, *([1] * (w.ndim - 1)))
 
 
-class Adapter(nn.Module):
+class WeightAdapter(nn.Module):
+    """A parametrization W ↦ W + ΔW whose task-time delta is reset, scaled and merged."""
+
+    def zero_(self, w: torch.Tensor) -> None:
+        """No delta: the parametrized weight is `w` exactly."""
+        raise NotImplementedError
+
+    def reset_(self, w: torch.Tensor, generator: torch.Generator) -> None:
+        """A fresh adapter (its random parts from `generator`), computing `w` exactly."""
+        raise NotImplementedError
+
+    def scale_(self, alpha: float) -> None:
+        """ΔW ← α·ΔW (C-CLIP's integration coefficient before the merge)."""
+        raise NotImplementedError
+
+
+class Adapter(WeightAdapter):
     """LoRA (and DoRA's magnitude) as a parametrization: W ↦ W + s·B·A (then m ⊙ V/‖V‖)."""
 
     def __init__(self, weight: torch.Tensor, rank: int, alpha: float, dora: bool) -> None:
@@ -122,6 +166,77 @@ class Adapter(nn.Module):
         self.lora_A.copy_(a)
         self.zero_(w)
 
+    @torch.no_grad()
+    def scale_(self, alpha: float) -> None:
+        if self.dora:  # m ⊙ V/‖V‖ is not linear in the delta
+            raise CvlError("a DoRA adapter's delta cannot be scaled (use --tune lora or vera)")
+        self.lora_B.mul_(alpha)
+
+
+def _kaiming_uniform(shape: tuple[int, int], generator: torch.Generator) -> torch.Tensor:
+    """U(−b, b), b = √3·√2/√fan_in, fan_in = shape[1] (peft's VeRA `_kaiming_init`)."""
+    t = torch.empty(shape)
+    bound = math.sqrt(3.0) * math.sqrt(2.0) / math.sqrt(shape[1])
+    return t.uniform_(-bound, bound, generator=generator)
+
+
+class VeraProjections:
+    """VeRA's shared frozen pair (A: rank × max fan-in, B: max fan-out × rank), drawn from
+    `seed` on the CPU (A first, as peft), with one copy per device and dtype that asks.
+
+    A plain object (not a module): the adapters that share it hold a reference, so it is in no
+    state dict and a deep copy of the model shares one copy among its adapters."""
+
+    def __init__(self, rank: int, out: int, fan_in: int, seed: int) -> None:
+        g = torch.Generator(device="cpu").manual_seed(int(seed))
+        self.A = _kaiming_uniform((rank, fan_in), g)
+        self.B = _kaiming_uniform((out, rank), g)
+        self._on: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def on(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (device, dtype)
+        if key not in self._on:
+            self._on[key] = (self.A.to(device, dtype), self.B.to(device, dtype))
+        return self._on[key]
+
+
+class VeraAdapter(WeightAdapter):
+    """VeRA as a parametrization: W ↦ W + Λ_b·B·Λ_d·A (A, B the shared frozen blocks)."""
+
+    def __init__(self, weight: torch.Tensor, shared: VeraProjections, d_initial: float) -> None:
+        super().__init__()
+        out = weight.shape[0]
+        kw = {"device": weight.device, "dtype": weight.dtype}
+        rank = shared.A.shape[0]
+        self.vera_lambda_d = nn.Parameter(torch.full((rank,), float(d_initial), **kw))
+        self.vera_lambda_b = nn.Parameter(torch.zeros(out, **kw))
+        self.shared = shared
+        self.d_initial = float(d_initial)
+
+    def delta(self, w: torch.Tensor) -> torch.Tensor:
+        a, b = self.shared.on(w.device, w.dtype)
+        out, fan_in = w.shape[0], math.prod(w.shape[1:])
+        d = self.vera_lambda_d.unsqueeze(-1) * a[:, :fan_in]
+        return ((self.vera_lambda_b.unsqueeze(-1) * b[:out]) @ d).view_as(w)
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w + self.delta(w)
+
+    @torch.no_grad()
+    def zero_(self, w: torch.Tensor) -> None:
+        """No delta: b = 0 (d is kept: it scales nothing while b is 0)."""
+        self.vera_lambda_b.zero_()
+
+    @torch.no_grad()
+    def reset_(self, w: torch.Tensor, generator: torch.Generator) -> None:
+        """A fresh adapter: d = d_initial, b = 0 (A and B are the run's, not redrawn)."""
+        self.vera_lambda_d.fill_(self.d_initial)
+        self.zero_(w)
+
+    @torch.no_grad()
+    def scale_(self, alpha: float) -> None:
+        self.vera_lambda_b.mul_(alpha)
+
 
 # -- reading and writing the weights of a model that may carry adapters -------------------------
 
@@ -133,7 +248,7 @@ def adapted(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
         if not parametrize.is_parametrized(m):
             continue
         for tname, plist in m.parametrizations.items():
-            if any(isinstance(p, Adapter) for p in plist):
+            if any(isinstance(p, WeightAdapter) for p in plist):
                 out.append((f"{mname}.{tname}" if mname else tname, m, tname))
     return out
 
@@ -152,8 +267,8 @@ def plain_name(key: str) -> str | None:
     return f"{head}.{name}" if tail == "original" else None
 
 
-def _adapters_of(module: nn.Module, tname: str) -> list[Adapter]:
-    return [p for p in module.parametrizations[tname] if isinstance(p, Adapter)]
+def _adapters_of(module: nn.Module, tname: str) -> list[WeightAdapter]:
+    return [p for p in module.parametrizations[tname] if isinstance(p, WeightAdapter)]
 
 
 @torch.no_grad()
@@ -164,6 +279,36 @@ def merge_adapters(model: nn.Module) -> None:
         plist.original.copy_(getattr(m, t))
         for a in _adapters_of(m, t):
             a.zero_(plist.original)
+
+
+@torch.no_grad()
+def scale_adapters_(model: nn.Module, alpha: float) -> None:
+    """ΔW ← α·ΔW for every adapter (before `merge_adapters`: W ← W + α·ΔW)."""
+    for _, m, t in adapted(model):
+        for a in _adapters_of(m, t):
+            a.scale_(alpha)
+
+
+def adapter_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters' own tensors (LoRA's A and B, DoRA's m, VeRA's d and b) by state-dict key,
+    detached live tensors; not the base weights they adapt."""
+    return {
+        k: v.detach()
+        for k, v in model.state_dict(keep_vars=True).items()
+        if _PARAM in k and plain_name(k) is None
+    }
+
+
+@torch.no_grad()
+def load_adapter_tensors(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """Copy `state` (keys as `adapter_tensors` names them, all of them) into the adapters."""
+    mine = adapter_tensors(model)
+    if set(mine) != set(state):
+        raise CvlError(
+            f"adapter tensors do not match this model's ({len(state)} given, {len(mine)} here)"
+        )
+    for k, v in state.items():
+        mine[k].copy_(v)
 
 
 def effective_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -293,11 +438,16 @@ class Tuning:
             raise CvlError(f"--tune must be one of {', '.join(MODES)} (got '{mode}')")
         self.mode = mode
         self.args = dict(DEFAULT_ARGS)
+        if mode == "vera":
+            self.args["rank"] = VERA_RANK
         for k, v in (args or {}).items():
             if k not in DEFAULT_ARGS:
                 raise CvlError(f"--tune-arg {k}: unknown (known: {', '.join(DEFAULT_ARGS)})")
-            if k in _ADAPTER_ARGS and mode not in ADAPTER_MODES:
-                raise CvlError(f"--tune-arg {k} applies to --tune lora or dora, not '{mode}'")
+            modes = _MODE_ARGS.get(k, ADAPTER_MODES if k in _ADAPTER_ARGS else MODES)
+            if mode not in modes:
+                raise CvlError(
+                    f"--tune-arg {k} applies to --tune {' or '.join(modes)}, not '{mode}'"
+                )
             rule = _LIMITS.get(k)
             self.args[k] = rule.check(v, f"--tune-arg {k}") if rule else str(v)
         if self.args["bn_stats"] not in ("frozen", "train"):
@@ -365,11 +515,25 @@ class Tuning:
                 trained.add(n)
         if self.adapters:
             mods = dict(model.named_modules())
-            for n in self._targets(model):
+            targets = self._targets(model)
+            shared = None
+            if self.mode == "vera":  # one frozen pair, at the largest fan-out and fan-in
+                shapes = [
+                    getattr(mods[n.rpartition(".")[0]], n.rpartition(".")[2]).shape for n in targets
+                ]
+                out = max(s[0] for s in shapes)
+                fan_in = max(math.prod(s[1:]) for s in shapes)
+                shared = VeraProjections(
+                    int(self.args["rank"]), out, fan_in, self.args["projection_seed"]
+                )
+            for n in targets:
                 mname, _, t = n.rpartition(".")
                 m = mods[mname]
                 w = getattr(m, t)
-                a = Adapter(w, int(self.args["rank"]), self.args["alpha"], self.mode == "dora")
+                if shared is not None:
+                    a: WeightAdapter = VeraAdapter(w, shared, self.args["d_initial"])
+                else:
+                    a = Adapter(w, int(self.args["rank"]), self.args["alpha"], self.mode == "dora")
                 parametrize.register_parametrization(m, t, a)
                 m.parametrizations[t].original.requires_grad_(False)
                 trained.add(n)
@@ -429,7 +593,8 @@ class Tuning:
             "args": {
                 k: v
                 for k, v in self.args.items()
-                if self.mode != "full" and (self.adapters or k not in _ADAPTER_ARGS)
+                if self.mode != "full"
+                and self.mode in _MODE_ARGS.get(k, ADAPTER_MODES if k in _ADAPTER_ARGS else MODES)
             },
             "trainable_params": self.trainable,
             "total_params": self.total,

@@ -25,6 +25,11 @@ Presets (see /work/shared/METHODS.md "Protocol facts" and the papers):
 - ``mtil``, ``mtil-order2``, ``mtil-fs``, ``x-tail``: classification datasets as tasks (ZSCL's
   MTIL orders I and II, MoE-Adapters4CL's 5-shot MTIL, RAIL's X-TAIL), built from ``--data``
   by `cvl.streams.classification` (one stream, no composition; see datasets/mtil.md).
+- ``cclip`` C-CLIP (ICLR 2025): Flickr30K -> COCO -> Pets -> Lexica -> Simpsons -> WikiArt ->
+  Kream -> Sketch, each caption a training sample (Karpathy splits for the first two; the six
+  others are tables built with `recipes/cclip_table.py` + `cvl build-stream table`,
+  datasets/cclip.md); zero-shot retention on classification sets is `cvl eval
+  --zeroshot-folder`.
 
 Each part's own test set is the same random part of its source's test set; the full test
 sets are the benchmarks.
@@ -58,6 +63,15 @@ URL_SOURCES = {
     "cc12m": "cvl build-stream cc12m --tsv cc12m.tsv --out streams/cc12m --chunks 1 "
     "--sample 10000000",
 }
+# C-CLIP's six caption datasets from the Hugging Face hub (datasets/cclip.md)
+CCLIP_TABLES = ("pets", "lexica", "simpsons", "wikiart", "kream", "sketch")
+for _s in CCLIP_TABLES:
+    URL_SOURCES[_s] = (
+        f"python recipes/cclip_table.py table {_s} --hf DIR --out tables/{_s} && cvl "
+        f"build-stream table --input tables/{_s}/pairs.jsonl --url-col path --caption-col "
+        f"caption --split-col split --out streams/{_s}"
+    )
+CARDS = {s: "cclip" for s in CCLIP_TABLES}  # sources documented in another card
 
 
 @dataclass
@@ -120,6 +134,15 @@ PRESETS: dict[str, Preset] = {
         {"ec": {}, "coco": {"restval": "val"}, "flickr30k": {}},
         _parts("ec", "ec", 5),
         [("f30k-1k", "flickr30k"), ("coco-5k", "coco"), ("ec-5k", "ec")],
+    ),
+    "cclip": Preset(
+        "C-CLIP: Flickr30K -> COCO -> Pets -> Lexica -> Simpsons -> WikiArt -> Kream -> Sketch",
+        {
+            "flickr30k": {"train_samples": "caption"},
+            "coco": {"train_samples": "caption"},
+            **{s: {} for s in CCLIP_TABLES},
+        },
+        [(s, s, None) for s in ("flickr30k", "coco", *CCLIP_TABLES)],
     ),
 }
 
@@ -269,7 +292,7 @@ def build_protocol(
         s = missing[0]
         raise CvlError(
             f"protocol {preset} needs a '{s}' stream: build it first ({URL_SOURCES[s]}) "
-            f"and pass --stream {s}=PATH (see datasets/{s}.md)"
+            f"and pass --stream {s}=PATH (see datasets/{CARDS.get(s, s)}.md)"
         )
     to_build = [s for s in p.sources if s not in given]
     if to_build and data is None:
@@ -368,7 +391,7 @@ def protocol_cmd(
     set_specs: tuple[str, ...],
     **kw: Any,
 ) -> None:
-    """A paper's benchmark stream in one command (Mod-X, DHA, DKR, MTIL / X-TAIL presets).
+    """A paper's benchmark stream in one command (Mod-X, DHA, DKR, MTIL / X-TAIL, C-CLIP presets).
 
     \b
     Presets:
@@ -382,6 +405,8 @@ def protocol_cmd(
       mtil-order2     ZSCL's MTIL order II
       mtil-fs         MoE-Adapters4CL's few-shot MTIL (5 images per class)
       x-tail          RAIL's X-TAIL: 10 domains, 16 shots, union label space
+      cclip           Flickr30K -> COCO -> Pets -> Lexica -> Simpsons -> WikiArt -> Kream ->
+                      Sketch (--stream each of the last six: datasets/cclip.md)
     \b
     --data layout (only the sources a preset uses):
       coco/dataset_coco.json  coco/train2014/  coco/val2014/

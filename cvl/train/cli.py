@@ -220,8 +220,10 @@ _OPTS = [
     "--tune",
     default="full",
     show_default=True,
-    type=click.Choice(["full", "lora", "dora", "bitfit", "lnfit", "locked-image", "locked-text"]),
-    help="Which parameters train (any method): all; LoRA / DoRA adapters on the weights "
+    type=click.Choice(
+        ["full", "lora", "dora", "vera", "bitfit", "lnfit", "locked-image", "locked-text"]
+    ),
+    help="Which parameters train (any method): all; LoRA / DoRA / VeRA adapters on the weights "
     "(merged into them at each task end, so checkpoints stay plain full weights); biases only "
     "(BitFit); normalisation layers only (LNFit); everything but the image / text tower (LiT).",
 )
@@ -231,7 +233,8 @@ _OPTS = [
     multiple=True,
     metavar="NAME=VALUE",
     help="LoRA/DoRA: rank (8), alpha (8), targets (linear | attn | mlp | conv | name patterns, "
-    "joined with +); any mode: bn_stats=frozen|train (running statistics of frozen "
+    "joined with +); VeRA: rank (256), targets, d_initial (0.1), projection_seed (0: its "
+    "shared frozen A and B); any mode: bn_stats=frozen|train (running statistics of frozen "
     "BatchNorm layers). Repeatable.",
 )
 @click.option(

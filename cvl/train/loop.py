@@ -187,6 +187,9 @@ class Trainer(RunFolder, NonFiniteGuards):
             raise CvlError(
                 f"method '{cfg.method}' needs a replay buffer: add --buffer {hint} --buffer-size N"
             )
+        tunes = getattr(self.method, "tunes", None)
+        if tunes and cfg.tune not in tunes:
+            raise CvlError(f"method '{cfg.method}' needs --tune {' or '.join(tunes)}")
         # settings that leave a task without a step: refused before anything is written
         self._plans = check_run(cfg, self.manifest, self.method, self.acc.num_processes)
         self._lock_run_dir()

@@ -1,0 +1,164 @@
+"""C-CLIP (CKC on hand-computed tensors, its projector, the α integration of the task's LoRA)
+and the per-task LoRA kept separate (FoMo's average of the stored adapters, the task's own)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from train_helpers import FAST, train_run
+
+from cvl.errors import CvlError
+from cvl.methods.cclip import CCLIP, Projector, ckc_loss
+from cvl.methods.lora_per_task import LoRAPerTask, average_adapters
+from cvl.runs import finished_tasks
+from cvl.train.checkpoint import load_state
+
+SHORT = {**FAST, "max_steps_per_task": 2}
+
+
+def _ce(logits: list[float], target: int) -> float:
+    return -logits[target] + math.log(sum(math.exp(x) for x in logits))
+
+
+def test_ckc_concat_by_hand():
+    """h_i = n([h_img_i, h_txt_i]), z_i = n([z_img_i, z_txt_i]) (normalised after the
+    concatenation), τ = 0.5, ½·(CE(h·zᵀ/τ) + CE(z·hᵀ/τ))."""
+    h = (torch.tensor([[3.0], [0.0]]), torch.tensor([[4.0], [1.0]]))  # -> [.6, .8], [0, 1]
+    z = (torch.tensor([[1.0], [1.0]]), torch.tensor([[0.0], [1.0]]))  # -> [1, 0], [r, r]
+    r = 1 / math.sqrt(2)
+    hz = [[0.6, 0.6 * r + 0.8 * r], [0.0, r]]  # h_i · z_j
+    tau = 0.5
+    h2z = (_ce([x / tau for x in hz[0]], 0) + _ce([x / tau for x in hz[1]], 1)) / 2
+    zh = [[hz[0][0], hz[1][0]], [hz[0][1], hz[1][1]]]  # z_i · h_j
+    z2h = (_ce([x / tau for x in zh[0]], 0) + _ce([x / tau for x in zh[1]], 1)) / 2
+    got = ckc_loss(h, z, n_local=2, temp=tau, layout="concat")
+    assert got.item() == pytest.approx((h2z + z2h) / 2, rel=1e-6)
+    # each modality normalised before concatenating would weigh them equally: not the same
+    hn = tuple(torch.nn.functional.normalize(x, dim=-1) for x in h)
+    assert ckc_loss(hn, z, 2, tau).item() != pytest.approx(got.item(), rel=1e-3)
+
+
+def test_ckc_stack_by_hand():
+    """2N rows [images; texts], each normalised, row i's positive is the old model's row i."""
+    h = (torch.tensor([[1.0, 0.0]]), torch.tensor([[0.0, 2.0]]))
+    z = (torch.tensor([[1.0, 1.0]]), torch.tensor([[0.0, 1.0]]))
+    r = 1 / math.sqrt(2)
+    hz = [[r, 0.0], [r, 1.0]]  # rows h (image, text), columns z (image, text)
+    h2z = (_ce(hz[0], 0) + _ce(hz[1], 1)) / 2
+    zh = [[hz[0][0], hz[1][0]], [hz[0][1], hz[1][1]]]
+    z2h = (_ce(zh[0], 0) + _ce(zh[1], 1)) / 2
+    got = ckc_loss(h, z, n_local=1, temp=1.0, layout="stack")
+    assert got.item() == pytest.approx((h2z + z2h) / 2, rel=1e-6)
+
+
+def test_ckc_gradient_reaches_only_the_current_side():
+    h = tuple(torch.randn(4, 3, requires_grad=True) for _ in range(2))
+    z = tuple(torch.randn(4, 3, requires_grad=True) for _ in range(2))
+    ckc_loss(h, z, 4, 0.07).backward()
+    assert all(x.grad is not None and x.grad.abs().sum() > 0 for x in h)
+    assert all(x.grad is None for x in z)
+
+
+def test_projectors():
+    g = torch.Generator().manual_seed(0)
+    p = Projector("mlp", 8, 0)
+    p.reset(g)
+    assert [m.weight.shape for m in p.net if isinstance(m, torch.nn.Linear)] == [
+        (16, 8),
+        (8, 16),
+    ]
+    q = Projector("mlp", 8, 0)
+    q.reset(torch.Generator().manual_seed(0))
+    assert all(torch.equal(a, b) for a, b in zip(p.state_dict().values(), q.state_dict().values()))
+    lin = Projector("linear", 4, 0)
+    lin.reset(g)
+    x = torch.randn(3, 4)
+    assert torch.equal(lin(x, "image"), x) and torch.equal(lin(x, "text"), x)
+    with pytest.raises(CvlError, match="layout must be"):
+        CCLIP({"layout": "rows"})
+
+
+@pytest.mark.slow
+def test_alpha_integrates_half_the_task_delta(synth_stream, tmp_path):
+    """θ^0 = θ_init + α·ΔW: the same training with α = 0.5 moves the weights half as far as
+    with α = 1 (only the merge differs); the projector is method state, not in the model."""
+    for a in (0.5, 1.0):
+        train_run(
+            synth_stream,
+            tmp_path / str(a),
+            {**SHORT, "max_steps_per_task": 2},
+            method="cclip",
+            tune="lora",
+            method_args={"alpha": a},
+        )
+    init = load_file(str(tmp_path / "0.5" / "init" / "model.safetensors"))
+    half, full = (
+        load_file(str(finished_tasks(tmp_path / str(a))[0].model_path)) for a in (0.5, 1.0)
+    )
+    moved = [k for k in init if not torch.equal(init[k], full[k])]
+    assert moved and set(half) == set(init)
+    for k in moved:
+        assert torch.allclose(half[k] - init[k], 0.5 * (full[k] - init[k]), atol=1e-6), k
+    st = load_state(finished_tasks(tmp_path / "0.5")[0].path, "method_state")["method"]
+    assert "net.1.running_mean" in st["projector"]  # BatchNorm statistics saved too
+
+
+def test_cclip_needs_an_adapter_mode(synth_stream, tmp_path):
+    from cvl.train.config import resolve
+    from cvl.train.loop import Trainer
+
+    cfg = resolve(None, {"stream": str(synth_stream), "out": str(tmp_path / "x"), **SHORT})
+    cfg.method = "cclip"
+    with pytest.raises(CvlError, match="method 'cclip' needs --tune lora or vera"):
+        Trainer(cfg, progress=False)
+    cfg.method, cfg.method_args = "lora_per_task", {"base": "ewc"}
+    with pytest.raises(CvlError, match="method 'lora_per_task' needs --tune lora or dora or vera"):
+        Trainer(cfg, progress=False)
+    assert LoRAPerTask({"base": "cclip"}).tunes == ("lora", "vera")  # both methods' modes
+
+
+def test_average_adapters_averages_factors_not_deltas():
+    a1 = {"A": torch.tensor([[1.0, 0.0]]), "B": torch.tensor([[2.0]])}
+    a2 = {"A": torch.tensor([[0.0, 1.0]]), "B": torch.tensor([[4.0]])}
+    avg = average_adapters([a1, a2])
+    assert torch.equal(avg["A"], torch.tensor([[0.5, 0.5]])) and torch.equal(
+        avg["B"], torch.tensor([[3.0]])
+    )
+    # B̄·Ā = [[1.5, 1.5]], while the mean of the deltas B_k·A_k is [[1, 2]]
+    assert torch.equal(avg["B"] @ avg["A"], torch.tensor([[1.5, 1.5]]))
+
+
+def _delta(adapters: dict, plain: str, scale: float = 1.0) -> torch.Tensor:
+    mod, _, t = plain.rpartition(".")
+    pre = f"{mod}.parametrizations.{t}.0."
+    return scale * adapters[pre + "lora_B"] @ adapters[pre + "lora_A"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("route", ["average", "task"])
+def test_lora_per_task_deploys_the_route_on_the_start(synth_stream, tmp_path, route):
+    """Every task trains from θ_0 (not from the deployed weights) and stores its adapter; the
+    checkpoint after task t is θ_0 + ΔW(mean of the stored factors) or θ_0 + ΔW_t."""
+    run = tmp_path / route
+    train_run(
+        synth_stream, run, SHORT, method="lora_per_task", tune="lora", method_args={"route": route}
+    )
+    init = load_file(str(run / "init" / "model.safetensors"))
+    tasks = finished_tasks(run)
+    st = load_state(tasks[-1].path, "method_state")["method"]["stored"]
+    stored = [st[str(i)] for i in range(len(st))]
+    assert len(stored) == len(tasks) >= 2
+    assert not torch.equal(stored[0][next(iter(stored[0]))], stored[1][next(iter(stored[1]))])
+    for t, c in enumerate(tasks):
+        w = load_file(str(c.model_path))
+        own = average_adapters(stored[: t + 1]) if route == "average" else stored[t]
+        names = {
+            k.split(".parametrizations.")[0] + "." + k.split(".parametrizations.")[1].split(".")[0]
+            for k in own
+        }
+        for n in names:
+            assert torch.allclose(w[n], init[n] + _delta(own, n), atol=1e-6), (t, n)
+        assert all(torch.equal(w[k], init[k]) for k in w if k not in names)

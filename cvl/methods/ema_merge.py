@@ -21,6 +21,16 @@ merges under `--tune`: the adapted weights as they compute, frozen tensors left 
 `wise` with `first_task=true` (the same class, `cvl.methods.merging.InterpolationMerge`); the
 former cvl `ema_merge`, a per-step EMA of the weights, is `ema_step`. Wraps a base method
 (`base=NAME`, default seqft).
+
+`best_in_time` is TIME's recommendation under its own name (Dziadzio et al., CVPR 2025, "How to
+merge your multimodal models over time?"; explainableml/time, not readable here): of its three
+axes (initialisation, deployment, merging technique), "Best-in-TIME" initialises each task from
+the EMA of the past models and deploys that EMA, with plain weighted averaging as the merge
+(the paper's summary: EMA for both phases; the merging technique matters little). That is this
+class: task t trains from m_{t−1} (`init=merged`), deploys m_t = α·θ̂_t + (1 − α)·m_{t−1}
+(`anchor=previous`, the first task merged with θ_0), α = ½ as in the authors' FoMo-in-Flux push
+(`ema_paint.py` with `Interpolation`'s null coefficients), which is the code TIME's study ran
+on. If the paper's EMA weight differs from ½, set `alpha` (the preset keeps FoMo's ½).
 """
 
 from __future__ import annotations
@@ -34,3 +44,8 @@ class EMAMerge(InterpolationMerge):
     """EMA merge (FoMo-in-Flux): θ_t = ½θ̂_t + ½θ_{t−1} after every task, trained on from θ_t."""
 
     defaults = {**InterpolationMerge.defaults, "first_task": True}
+
+
+@register("best_in_time")
+class BestInTime(EMAMerge):
+    """TIME's Best-in-TIME preset: EMA initialisation and EMA deployment (= ema_merge, α = ½)."""

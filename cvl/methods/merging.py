@@ -17,8 +17,15 @@ and gets a zero delta after (it then computes exactly the written weights).
 first) and the initial weights, returning merged weights, as FoMo-in-Flux keeps every merge
 behind one interface (`continual_lib/merge.py`: `BaseMerge.__call__(state_dicts,
 zero_shot)`, built by `create_merge_instance`). Here: `interpolation` (its `Interpolation`:
-Σ c_i·θ_i, equal coefficients unless given). Other operators (SLERP, MagMax, DARE, ...) are
-added to `OPERATORS` and chosen by the methods that merge pairs (`InterpolationMerge`).
+Σ c_i·θ_i, equal coefficients unless given), `slerp` (its `SLERP`, two models), `task_arithmetic`,
+`magmax`, `dare`, `dare_ties`, `breadcrumbs`, `tall_masks` (θ_0 + λ·merge of the task vectors
+θ_i − θ_0; the arithmetic in `cvl.methods.merge_ops`, each citing its code). The methods keep
+what they need of past tasks and call the same functions; `InterpolationMerge` takes the
+pair operator by name (`interpolation` or `slerp`).
+
+**LiNeS** (`lines=true` on any task-vector merge, `TaskVectorMerge`): the merged task vector is
+scaled per tensor by α + β·ℓ/(L − 1) (ℓ its residual block, α outside the blocks) in place of
+the merge's λ, as FoMo-in-Flux's `BaseLinesMerge` does for its task-vector merges.
 
 **Merging in a continual stream** (TIME's framework, Dziadzio et al. 2025: where a task's
 training starts, what is deployed). Notation: θ_0 = the run's initial weights (`init/`);
@@ -46,6 +53,7 @@ import torch
 from torch import nn
 
 from cvl.errors import CvlError
+from cvl.methods import merge_ops
 from cvl.methods.base import TaskContext, Wrapper
 from cvl.models.tune import assign_, effective_state, merge_adapters, trained_names
 
@@ -113,8 +121,52 @@ def interpolation(coefficients: Sequence[float] | None = None) -> MergeOperator:
     return merge
 
 
+def slerp(coefficients: Sequence[float] = (0.5, 0.5)) -> MergeOperator:
+    """Per tensor, the spherical interpolation of two models with weight c_0 on the first
+    (`merge_ops.slerp`; FoMo-in-Flux `SLERP`, default ½/½)."""
+
+    def merge(models: Sequence[Weights], initial: Weights | None = None) -> Weights:
+        if len(models) != 2 or len(coefficients) != 2 or abs(sum(coefficients) - 1) > 1e-6:
+            raise CvlError("slerp: two models and two coefficients summing to 1 expected")
+        new, old = models
+        return {k: merge_ops.slerp(v, old[k].to(v.device), coefficients[0]) for k, v in new.items()}
+
+    return merge
+
+
+def task_vector_operator(combine: Callable[[list[Weights]], Weights], lam: float) -> MergeOperator:
+    """θ_0 + λ·combine([θ_i − θ_0]): the shape of FoMo-in-Flux's task-vector merges."""
+
+    def merge(models: Sequence[Weights], initial: Weights | None = None) -> Weights:
+        if initial is None:
+            raise CvlError("a task-vector merge needs the initial weights")
+        taus = [{k: m[k].to(v.device) - v for k, v in initial.items()} for m in models]
+        return add_scaled(initial, combine(taus), lam)
+
+    return merge
+
+
+def _seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
 #: name → factory(**its arguments) of a merge operator (module doc)
-OPERATORS: dict[str, Callable[..., MergeOperator]] = {"interpolation": interpolation}
+OPERATORS: dict[str, Callable[..., MergeOperator]] = {
+    "interpolation": interpolation,
+    "slerp": slerp,
+    "task_arithmetic": lambda lam=1.0: task_vector_operator(lambda t: sum_weights(t), lam),
+    "magmax": lambda lam=0.5: task_vector_operator(merge_ops.max_abs, lam),
+    "dare": lambda p=0.5, lam=0.3, seed=0: task_vector_operator(
+        lambda t: sum_weights([merge_ops.dare(x, p, _seeded(seed + i)) for i, x in enumerate(t)]),
+        lam,
+    ),
+    "breadcrumbs": lambda keep=0.2, remove=0.1, lam=0.4: task_vector_operator(
+        lambda t: sum_weights([merge_ops.breadcrumbs(x, keep, remove) for x in t]), lam
+    ),
+    "tall_masks": lambda tall_lambda=0.4, k=2, lam=1.0: task_vector_operator(
+        lambda t: merge_ops.consensus(t, tall_lambda, k), lam
+    ),
+}
 
 
 def merge_operator(name: str, **args: Any) -> MergeOperator:
@@ -122,6 +174,23 @@ def merge_operator(name: str, **args: Any) -> MergeOperator:
     if name not in OPERATORS:
         raise CvlError(f"unknown merge operator {name!r} (choices: {', '.join(OPERATORS)})")
     return OPERATORS[name](**args)
+
+
+def sum_weights(ws: Sequence[Weights]) -> Weights:
+    """Σ_i w_i by name (on the first one's device)."""
+    out = dict(ws[0])
+    for w in ws[1:]:
+        out = {k: v + w[k].to(v.device) for k, v in out.items()}
+    return out
+
+
+def add_scaled(initial: Weights, tau: Weights, scale: float | dict[str, float]) -> Weights:
+    """θ_0 + s·τ by name, s one number or one per name (LiNeS)."""
+    out = {}
+    for k, v in initial.items():
+        s = scale[k] if isinstance(scale, dict) else scale
+        out[k] = v + s * tau[k].to(v.device, v.dtype)
+    return out
 
 
 def load_initial(ctx: TaskContext) -> Weights:
@@ -222,6 +291,30 @@ class MergeMethod(Wrapper):
         return {k: v - self.start[k] for k, v in tuned.items()}
 
 
+#: LiNeS's arguments, taken by every task-vector merge (FoMo-in-Flux `lines_params` default
+#: (0.5, 0.5, ·, "linear"))
+LINES = {"lines": False, "lines_alpha": 0.5, "lines_beta": 0.5}
+
+
+class TaskVectorMerge(MergeMethod):
+    """A merge deploying θ_t = θ_0 + λ·τ_m (τ_m its merge of task vectors), with `lines=true`
+    the LiNeS scales α + β·ℓ/(L − 1) per tensor in place of λ (`merge_ops.lines_scales`;
+    FoMo-in-Flux's `TaskArithmetic`/`TIES.merge`: `zs_vector + lw * merged_task_vectors`).
+    Subclasses set `lam_key` (their λ argument) and put `LINES` in their defaults."""
+
+    lam_key = "lam"
+
+    def apply(self, initial: Weights, tau: Weights) -> Weights:
+        """θ_0 + λ·τ, or θ_0 + LiNeS(τ) under `lines=true`."""
+        if self.args.get("lines"):
+            scale: float | dict[str, float] = merge_ops.lines_scales(
+                initial, self.args["lines_alpha"], self.args["lines_beta"]
+            )
+        else:
+            scale = self.args[self.lam_key]
+        return add_scaled(initial, tau, scale)
+
+
 ANCHORS = ("previous", "initial", "start")
 
 
@@ -236,9 +329,12 @@ class InterpolationMerge(MergeMethod):
     `start` = start_t, the weights the task trained from (= `previous` under init=merged, =
     `initial` under init=base, θ̂_{t−1} under init=finetuned: consecutive fine-tuned models).
     `first_task`: merge task 0 too (FoMo-in-Flux does: its list of checkpoints starts with θ_0)
-    or keep θ̂_0. The registered names (`wise`, `ema_merge`, `zs_merge`, `ft_merge`) are this
-    class with their own defaults.
+    or keep θ̂_0. The registered names (`wise`, `ema_merge`, `zs_merge`, `ft_merge`,
+    `best_in_time`, `slerp`) are this class with their own defaults; `operator` is the pair
+    operator (`interpolation`, or `slerp` for the `slerp` method).
     """
+
+    operator = "interpolation"
 
     defaults = {
         "base": "seqft",
@@ -270,5 +366,5 @@ class InterpolationMerge(MergeMethod):
 
     def deploy(self, ctx: TaskContext, tuned: Weights) -> Weights:
         alpha = self.args["alpha"]
-        merge = merge_operator("interpolation", coefficients=(alpha, 1.0 - alpha))
-        return merge([tuned, self.anchor(ctx)], None)  # interpolation needs no θ_0
+        merge = merge_operator(self.operator, coefficients=(alpha, 1.0 - alpha))
+        return merge([tuned, self.anchor(ctx)], None)  # a pair operator needs no θ_0

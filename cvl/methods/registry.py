@@ -40,6 +40,12 @@ METHOD_MODULES = [
     "cvl.methods.task_arith",
     "cvl.methods.ties",
     "cvl.methods.model_stock",
+    "cvl.methods.magmax",
+    "cvl.methods.dare",
+    "cvl.methods.breadcrumbs",
+    "cvl.methods.slerp",
+    "cvl.methods.tall_masks",
+    "cvl.methods.opcm",
     "cvl.methods.cclip",
     "cvl.methods.lora_per_task",
 ]

@@ -10,7 +10,8 @@ seen so far. `init=merged` trains task t from θ_{t−1} and τ_t is the task's 
 in steps of 0.05); 0.4 is the task-arithmetic example value of the TIES-Merging authors'
 code (prateeky2806/ties-merging, `ties_minimal.ipynb`). Only the
 running sum Σ τ_i is kept (one copy of the trained weights, CPU in the checkpoint). Wraps a
-base method (`base=NAME`, default seqft), see `cvl.methods.merging`.
+base method (`base=NAME`, default seqft), see `cvl.methods.merging`. `lines=true` scales Σ τ_i
+per layer by LiNeS in place of λ (`lines_alpha`, `lines_beta`; `cvl.methods.merging.TaskVectorMerge`).
 """
 
 from __future__ import annotations
@@ -20,20 +21,15 @@ from typing import Any
 import torch
 
 from cvl.methods.base import TaskContext
-from cvl.methods.merging import MergeMethod, Weights, clone_weights
+from cvl.methods.merging import LINES, TaskVectorMerge, Weights, clone_weights
 from cvl.methods.registry import register
 
 
-def task_arithmetic(initial: Weights, tau_sum: Weights, lam: float) -> Weights:
-    """θ_0 + λ·Σ τ, by name."""
-    return {k: v + lam * tau_sum[k].to(v.device, v.dtype) for k, v in initial.items()}
-
-
 @register("task_arith")
-class TaskArithmetic(MergeMethod):
+class TaskArithmetic(TaskVectorMerge):
     """Task arithmetic: θ_t = θ_0 + λ·Σ τ_i, each task trained from θ_0 (Ilharco et al. 2023)."""
 
-    defaults = {"base": "seqft", "lam": 0.4, "init": "base"}
+    defaults = {"base": "seqft", "lam": 0.4, "init": "base", **LINES}
 
     def __init__(self, args: dict[str, Any] | None = None) -> None:
         super().__init__(args)
@@ -47,7 +43,7 @@ class TaskArithmetic(MergeMethod):
             with torch.no_grad():
                 for k, v in tau.items():
                     self.tau_sum[k] = self.tau_sum[k].to(v.device) + v
-        return task_arithmetic(self.initial(ctx), self.tau_sum, self.args["lam"])
+        return self.apply(self.initial(ctx), self.tau_sum)
 
     def merge_state(self) -> dict[str, Any]:
         return {"tau_sum": dict(self.tau_sum)} if self.tau_sum is not None else {}

@@ -15,7 +15,7 @@ the task vectors τ_i = θ̂_i − start_i are merged in three steps, and θ_t =
 validation data). In the stream: with `init=base` (default) every task trains from θ_0 and after task t the vectors of tasks 0..t
 are merged; the trimmed vectors are kept (t + 1 copies of the trained weights, CPU in the
 checkpoint: memory grows with the stream). Wraps a base method (`base=NAME`, default seqft),
-see `cvl.methods.merging`.
+see `cvl.methods.merging`. `lines=true` scales τ_m per layer by LiNeS in place of λ.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 
 from cvl.errors import CvlError
 from cvl.methods.base import TaskContext
-from cvl.methods.merging import MergeMethod, Weights, clone_weights
+from cvl.methods.merging import LINES, TaskVectorMerge, Weights, clone_weights
 from cvl.methods.registry import register
 
 
@@ -44,8 +44,9 @@ def trim_top_k(tau: Weights, k: float) -> Weights:
 
 
 @torch.no_grad()
-def ties_merge(trimmed: list[Weights]) -> Weights:
-    """Elect signs by mass, then the disjoint mean of the agreeing entries (TIES steps 2–3)."""
+def ties_merge(trimmed: list[Weights], agg: str = "mean") -> Weights:
+    """Elect signs by mass, then the disjoint mean (`agg="sum"`: sum) of the agreeing entries
+    (TIES steps 2–3; the code's `disjoint_merge` with merge_func dis-mean / dis-sum)."""
     names = list(trimmed[0])
     total = {n: sum(t[n] for t in trimmed) for n in names}
     elected = {n: torch.sign(total[n]) for n in names}
@@ -56,31 +57,38 @@ def ties_merge(trimmed: list[Weights]) -> Weights:
         stack = torch.stack([t[n] for t in trimmed])
         keep = torch.where(sign > 0, stack > 0, stack < 0)
         picked = stack * keep
-        out[n] = picked.sum(0) / keep.sum(0).clamp(min=1).to(picked.dtype)
+        if agg == "sum":
+            out[n] = picked.sum(0)
+        else:
+            out[n] = picked.sum(0) / keep.sum(0).clamp(min=1).to(picked.dtype)
     return out
 
 
 @register("ties")
-class TIES(MergeMethod):
+class TIES(TaskVectorMerge):
     """TIES-Merging: trim top 20 %, elect signs by mass, disjoint mean; θ_0 + λ·τ_m (λ = 1)."""
 
-    defaults = {"base": "seqft", "k": 0.2, "lam": 1.0, "init": "base"}
+    defaults = {"base": "seqft", "k": 0.2, "lam": 1.0, "init": "base", **LINES}
 
     def __init__(self, args: dict[str, Any] | None = None) -> None:
         super().__init__(args)
         if not 0.0 < self.args["k"] <= 1.0:
-            raise CvlError(f"method 'ties': k must be in (0, 1] (got {self.args['k']})")
+            raise CvlError(f"method '{self.name}': k must be in (0, 1] (got {self.args['k']})")
         self.trimmed: list[Weights] = []
+
+    def vector(self, ctx: TaskContext, tuned: Weights) -> Weights:
+        """The task's vector before trimming (`dare_ties`: dropped and rescaled)."""
+        return self.task_vector(tuned)
 
     def deploy(self, ctx: TaskContext, tuned: Weights) -> Weights:
         self.trimmed.append(
-            clone_weights(trim_top_k(self.task_vector(tuned), self.args["k"]), "cpu")
+            clone_weights(trim_top_k(self.vector(ctx, tuned), self.args["k"]), "cpu")
         )
         initial = self.initial(ctx)
         dev = next(iter(initial.values())).device
-        merged = ties_merge([clone_weights(t, dev) for t in self.trimmed])
-        lam = self.args["lam"]
-        return {k: v + lam * merged[k].to(v.dtype) for k, v in initial.items()}
+        agg = self.args.get("agg", "mean")
+        merged = ties_merge([clone_weights(t, dev) for t in self.trimmed], agg)
+        return self.apply(initial, merged)
 
     def merge_state(self) -> dict[str, Any]:
         return {"trimmed": [dict(t) for t in self.trimmed]} if self.trimmed else {}

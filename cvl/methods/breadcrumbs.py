@@ -1,0 +1,62 @@
+"""Model Breadcrumbs (Davari & Belilovsky, ECCV 2024, "Model breadcrumbs: scaling multi-task
+model merging with sparse masks"): each task vector keeps, per layer, a middle band of its
+entries by magnitude (the large outliers and the small bulk are masked), and the masked vectors
+are added as in task arithmetic,
+
+    τ̃_i = mask_{γ,β}(τ_i),   θ_t = θ_0 + α·Σ_{i≤t} τ̃_i.
+
+Source: rezazzr/breadcrumbs, `src/task_vectors.py`, `TaskVectorMiddleKeep` (remove_first=True):
+per tensor, along its last dimension (each row of n entries; a 1-d tensor is one row), the top
+⌊n·γ⌋ entries by |value| are zeroed (`mask_remove_top`, γ = `remove`), then only the top ⌊n·β⌋
+of what is left are kept (`mask_keep_top`, β = `keep`): entries ranked ⌊nγ⌋ .. ⌊nγ⌋+⌊nβ⌋−1 from
+the top survive, the bottom 1 − γ − β go. 0-d tensors (CLIP's logit scale) are kept whole, as
+the code does. Defaults: the README's example (α = `lam` = 0.4, β = 0.2, γ = 0.1). In the code
+the names are swapped from the usual reading: its β is the fraction *kept*, its γ the top
+fraction removed (the paper's "top-β / bottom-γ" wording describes the same band). Ties in
+|value| are broken by `torch.topk` (as the code). In the stream, `init=base` (default): every task
+trains from θ_0 (the task models of the paper); only the running Σ τ̃_i is kept. FoMo-in-Flux's
+`BreadcrumbsTIES` (masks over the whole flattened vector, then TIES's sign election and a sum)
+is not this. `lines=true` applies LiNeS in place of α. Wraps a base method (`base=NAME`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from cvl.errors import CvlError
+from cvl.methods.base import TaskContext
+from cvl.methods.merge_ops import breadcrumbs
+from cvl.methods.merging import LINES, TaskVectorMerge, Weights, clone_weights, sum_weights
+from cvl.methods.registry import register
+
+
+@register("breadcrumbs")
+class Breadcrumbs(TaskVectorMerge):
+    """Model Breadcrumbs: per row drop the top γ = 0.1 and keep the next β = 0.2 by |τ|; θ_0 + 0.4·Σ."""
+
+    defaults = {"base": "seqft", "keep": 0.2, "remove": 0.1, "lam": 0.4, "init": "base", **LINES}
+
+    def __init__(self, args: dict[str, Any] | None = None) -> None:
+        super().__init__(args)
+        keep, remove = self.args["keep"], self.args["remove"]
+        if not (0.0 <= keep <= 1.0 and 0.0 <= remove < 1.0 and keep + remove <= 1.0):
+            raise CvlError(
+                f"method 'breadcrumbs': keep and remove must be fractions with keep + remove ≤ 1 "
+                f"(got {keep}, {remove})"
+            )
+        self.tau_sum: Weights | None = None
+
+    @torch.no_grad()
+    def deploy(self, ctx: TaskContext, tuned: Weights) -> Weights:
+        masked = breadcrumbs(self.task_vector(tuned), self.args["keep"], self.args["remove"])
+        self.tau_sum = masked if self.tau_sum is None else sum_weights([masked, self.tau_sum])
+        return self.apply(self.initial(ctx), self.tau_sum)
+
+    def merge_state(self) -> dict[str, Any]:
+        return {"tau_sum": dict(self.tau_sum)} if self.tau_sum is not None else {}
+
+    def load_merge_state(self, state: dict[str, Any]) -> None:
+        if "tau_sum" in state:
+            self.tau_sum = clone_weights(state["tau_sum"])

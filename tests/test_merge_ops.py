@@ -190,6 +190,9 @@ def test_slerp_by_hand():
     assert got.tolist() == pytest.approx([math.sin(math.pi / 8), math.sin(3 * math.pi / 8)])
     par = merge_ops.slerp(T([1.0, 1.0]), T([2.0, 2.0]), 0.25)  # |cos| > 0.9995: linear
     assert par.tolist() == pytest.approx([1.75, 1.75])
+    near = T([1.0, 0.02], dtype=torch.float64)  # cos ≈ 0.9998 > 0.9995: still linear
+    got = merge_ops.slerp(T([1.0, 0.0], dtype=torch.float64), near, 0.25)
+    assert got.tolist() == pytest.approx([1.0, 0.015], abs=1e-12)  # slerp: off by ~1e-6
 
 
 def _fomo_slerp(v0, v1, w, threshold=0.9995, eps=1e-8):
@@ -312,6 +315,9 @@ def test_opcm_projection_by_hand():
     got = merge_ops.opcm_project(prev, tau, 0.5)
     assert torch.allclose(got, T([[0, 2, 3], [4, 0, 6], [7, 8, 0.0]], dtype=torch.float64))
     got = merge_ops.opcm_project(prev, tau, 0.9)  # split 2: the top-left 2 × 2 block goes
+    assert torch.allclose(got, T([[0, 0, 3], [0, 0, 6], [7, 8, 0.0]], dtype=torch.float64))
+    prev = torch.diag(T([5.0, 4.0, 3.0], dtype=torch.float64))  # ratios 5/12, 0.75, 1
+    got = merge_ops.opcm_project(prev, tau, 0.75)  # 0.75 is not > 0.75: split 2, not 1
     assert torch.allclose(got, T([[0, 0, 3], [0, 0, 6], [7, 8, 0.0]], dtype=torch.float64))
 
 

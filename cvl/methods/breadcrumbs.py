@@ -23,17 +23,16 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from cvl.errors import CvlError
 from cvl.methods.base import TaskContext
 from cvl.methods.merge_ops import breadcrumbs
-from cvl.methods.merging import LINES, TaskVectorMerge, Weights, clone_weights, sum_weights
+from cvl.methods.merging import LINES, Weights
 from cvl.methods.registry import register
+from cvl.methods.task_arith import TaskArithmetic
 
 
 @register("breadcrumbs")
-class Breadcrumbs(TaskVectorMerge):
+class Breadcrumbs(TaskArithmetic):
     """Model Breadcrumbs: per row drop the top γ = 0.1 and keep the next β = 0.2 by |τ|; θ_0 + 0.4·Σ."""
 
     defaults = {"base": "seqft", "keep": 0.2, "remove": 0.1, "lam": 0.4, "init": "base", **LINES}
@@ -46,17 +45,6 @@ class Breadcrumbs(TaskVectorMerge):
                 f"method 'breadcrumbs': keep and remove must be fractions with keep + remove ≤ 1 "
                 f"(got {keep}, {remove})"
             )
-        self.tau_sum: Weights | None = None
 
-    @torch.no_grad()
-    def deploy(self, ctx: TaskContext, tuned: Weights) -> Weights:
-        masked = breadcrumbs(self.task_vector(tuned), self.args["keep"], self.args["remove"])
-        self.tau_sum = masked if self.tau_sum is None else sum_weights([masked, self.tau_sum])
-        return self.apply(self.initial(ctx), self.tau_sum)
-
-    def merge_state(self) -> dict[str, Any]:
-        return {"tau_sum": dict(self.tau_sum)} if self.tau_sum is not None else {}
-
-    def load_merge_state(self, state: dict[str, Any]) -> None:
-        if "tau_sum" in state:
-            self.tau_sum = clone_weights(state["tau_sum"])
+    def vector(self, ctx: TaskContext, tuned: Weights) -> Weights:
+        return breadcrumbs(self.task_vector(tuned), self.args["keep"], self.args["remove"])

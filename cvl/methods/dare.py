@@ -36,8 +36,9 @@ import torch
 from cvl.errors import CvlError
 from cvl.methods.base import TaskContext
 from cvl.methods.merge_ops import dare
-from cvl.methods.merging import LINES, TaskVectorMerge, Weights, clone_weights, sum_weights
+from cvl.methods.merging import LINES, TaskVectorMerge, Weights
 from cvl.methods.registry import register
+from cvl.methods.task_arith import TaskArithmetic
 from cvl.methods.ties import TIES
 
 
@@ -54,7 +55,7 @@ def dropped(method: TaskVectorMerge, ctx: TaskContext, tuned: Weights) -> Weight
 
 
 @register("dare")
-class Dare(TaskVectorMerge):
+class Dare(TaskArithmetic):
     """DARE + task arithmetic: drop p = 0.5 of each task vector, rescale 1/(1−p); θ_0 + 0.3·Σ."""
 
     defaults = {"base": "seqft", "p": 0.5, "lam": 0.3, "seed": 0, "init": "base", **LINES}
@@ -62,19 +63,9 @@ class Dare(TaskVectorMerge):
     def __init__(self, args: dict[str, Any] | None = None) -> None:
         super().__init__(args)
         check_p(self)
-        self.tau_sum: Weights | None = None
 
-    def deploy(self, ctx: TaskContext, tuned: Weights) -> Weights:
-        tau = dropped(self, ctx, tuned)
-        self.tau_sum = tau if self.tau_sum is None else sum_weights([tau, self.tau_sum])
-        return self.apply(self.initial(ctx), self.tau_sum)
-
-    def merge_state(self) -> dict[str, Any]:
-        return {"tau_sum": dict(self.tau_sum)} if self.tau_sum is not None else {}
-
-    def load_merge_state(self, state: dict[str, Any]) -> None:
-        if "tau_sum" in state:
-            self.tau_sum = clone_weights(state["tau_sum"])
+    def vector(self, ctx: TaskContext, tuned: Weights) -> Weights:
+        return dropped(self, ctx, tuned)
 
 
 @register("dare_ties")

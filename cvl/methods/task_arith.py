@@ -35,8 +35,12 @@ class TaskArithmetic(TaskVectorMerge):
         super().__init__(args)
         self.tau_sum: Weights | None = None
 
+    def vector(self, ctx: TaskContext, tuned: Weights) -> Weights:
+        """The task's vector as summed (`dare`: dropped; `breadcrumbs`: masked)."""
+        return self.task_vector(tuned)
+
     def deploy(self, ctx: TaskContext, tuned: Weights) -> Weights:
-        tau = self.task_vector(tuned)
+        tau = self.vector(ctx, tuned)
         if self.tau_sum is None:
             self.tau_sum = tau
         else:

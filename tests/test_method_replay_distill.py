@@ -265,7 +265,13 @@ def test_wise_interpolates_and_passes_arguments_to_the_base():
         a.bias.detach()
     ) == pytest.approx(0.5)
     m = WiSE({"base": "lwf", "alpha": 0.7, "variant": "logits"})
-    assert m.args == {"base": "lwf", "alpha": 0.7, "first_task": False}
+    assert m.args == {
+        "base": "lwf",
+        "alpha": 0.7,
+        "anchor": "previous",
+        "init": "merged",
+        "first_task": False,
+    }
     assert m.inner.args["variant"] == "logits"
     assert WiSE({"base": "icarl"}).needs_buffer
     with pytest.raises(CvlError, match="no argument 'nope'"):

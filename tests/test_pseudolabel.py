@@ -325,7 +325,7 @@ def test_zeroshot_among_task_seen_and_all_classes(monkeypatch):
     (cos to pa .958, to pd .996: d wins once d is a candidate) and x_b = (0,1,0); t1 has
     x_c = (0,0,1). Among a task's classes everything is right; among all classes x_a is wrong.
     """
-    from cvl.evaluation import checkpoint, runner
+    from cvl.evaluation import checkpoint, runner, zeroshot
     from cvl.evaluation.embed import Embeddings
     from cvl.streams.manifest import EvalSet, Manifest, ShardSet, TaskInfo
 
@@ -358,7 +358,7 @@ def test_zeroshot_among_task_seen_and_all_classes(monkeypatch):
             [desc] * k,
         )
 
-    monkeypatch.setattr(checkpoint, "class_embeddings", class_embeddings)
+    monkeypatch.setattr(zeroshot, "class_embeddings", class_embeddings)
     monkeypatch.setattr(checkpoint.EvalContext, "embed", embed)
     ss = ShardSet(["x.tar"], 1)
     tasks = {

@@ -328,8 +328,17 @@ def test_pickles_are_never_executed(tmp_path, monkeypatch):
     assert not (tmp_path / "pwned").exists()
 
 
+def _restricted_unpickler_only(text: str) -> bool:
+    """pickle is used only through an Unpickler subclass whose find_class allows a fixed list
+    (CIFAR-100's pickles: cvl/streams/cls_layouts.py), never pickle.load / loads directly."""
+    direct = re.search(r"pickle\.loads?\(|pickle\.Unpickler\(", text)
+    sub = re.search(r"class \w+\(pickle\.Unpickler\)", text)
+    return bool(sub) and "def find_class" in text and not direct
+
+
 def test_source_has_no_unsafe_loaders_or_shells():
-    """Every torch.load passes weights_only=True, YAML uses safe_load, no pickle, no shell."""
+    """Every torch.load passes weights_only=True, YAML uses safe_load, no pickle but a restricted
+    unpickler (find_class over a fixed list), no shell."""
     bad = []
     for f in sorted((ROOT / "cvl").rglob("*.py")):
         text = f.read_text()
@@ -340,7 +349,9 @@ def test_source_has_no_unsafe_loaders_or_shells():
                 i += 1
             if "weights_only=True" not in text[m.end() : i]:
                 bad.append(f"{f.name}: {text[m.start() : i]}")
-        for pat in (r"yaml\.load\(", r"yaml\.unsafe_load", r"import pickle", r"shell=True"):
+        if "import pickle" in text and not _restricted_unpickler_only(text):
+            bad.append(f"{f.name}: import pickle")
+        for pat in (r"yaml\.load\(", r"yaml\.unsafe_load", r"shell=True"):
             bad += [f"{f.name}: {pat}" for _ in re.finditer(pat, text)]
         bad += [f"{f.name}: os.system" for _ in re.finditer(r"os\.system\(", text)]
     assert bad == []

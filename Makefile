@@ -22,8 +22,10 @@ $(STAMP): setup.cfg pyproject.toml
 demo: $(STAMP)
 	bash recipes/demo.sh $(DEMO_DIR)
 
+# Two workers (pytest-xdist), one thread each; tests that share an expensive module fixture
+# are grouped onto one worker (`xdist_group`).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadgroup
 
 # Every paper recipe's --smoke mode (recipes/*.sh: the protocols on synthetic stand-ins, tiny
 # models, CPU), as the tests marked `recipes` that `make test` leaves out; two at a time

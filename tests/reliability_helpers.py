@@ -47,8 +47,45 @@ def method_args(name: str, stream: Path | str = "STREAM") -> list[str]:
 
 
 def trained_methods() -> list[str]:
-    """Registered methods that take optimizer steps (zeroshot has none to interrupt)."""
-    return [n for n, c in all_methods().items() if getattr(c, "trains", True)]
+    """Registered methods that take optimizer steps (zeroshot has none to interrupt); a
+    preset of another registered method (`preset_of`: the same code and defaults under a
+    paper's name) is tested as that method."""
+    return [
+        n
+        for n, c in all_methods().items()
+        if getattr(c, "trains", True) and not getattr(c, "preset_of", None)
+    ]
+
+
+# One method per way a method's data, state or steps differ from seqft's, for the tests that
+# cross methods with another feature (a data mixture, a time-ordered stream with cumulative
+# replay): the per-method guarantees (bitwise resume, budget probes undone, 2 processes = 1)
+# run over every method in test_reliability_resume.py, test_budget.py, test_distributed.py.
+FAMILIES = {
+    "seqft": "the base loss only",
+    "joint": "its own task data (the union of the tasks)",
+    "lwf": "an old model's forward",
+    "icarl": "its own herding buffer, class-style distillation",
+    "der": "stored outputs of replayed items",
+    "co2l": "its own contrastive objective over replay",
+    "ctp": "momentum model + queue",
+    "incclip": "pseudo-negatives and a memory of features",
+    "dha": "best-val selection, its own buffer rule",
+    "ewc": "a penalty in after_backward, an importance pass per task",
+    "si": "a path integral in after_step",
+    "afec": "an expanded model trained per epoch",
+    "zscl": "a reference stream and a teacher",
+    "wise": "a merge wrapper (weights replaced after the task)",
+    "ties": "task vectors from the initial weights (every task restarts)",
+    "cclip": "required adapters, a projector",
+}
+
+
+def family_methods() -> list[str]:
+    """`FAMILIES`' methods (each must be registered and trained)."""
+    missing = set(FAMILIES) - set(trained_methods())
+    assert not missing, f"not registered: {missing}"
+    return list(FAMILIES)
 
 
 def build_tiny_stream(out: Path) -> Path:

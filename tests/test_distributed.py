@@ -252,6 +252,7 @@ def _all_logs(run: Path) -> list[dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("dist_runs")  # one worker runs the module fixture's torchrun launches
 @pytest.mark.parametrize("method", trained_methods())
 def test_every_method_two_processes_equal_one(method, dist_runs):
     stream, root, results, err = dist_runs

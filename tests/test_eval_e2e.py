@@ -10,6 +10,9 @@ import torch
 
 from cvl.cli import main
 
+# one worker builds the module fixture (an evaluated run) for every test here
+pytestmark = pytest.mark.xdist_group("eval_e2e")
+
 
 def make_run(
     root, stream, kind="clip", config="tiny", tasks=("t0", "t1"), init=True, method="seqft"

@@ -16,11 +16,11 @@ from reliability_helpers import (
     assert_same_run,
     build_tiny_stream,
     cli,
+    family_methods,
     kill_when,
     log_lines,
     method_args,
     train_argv,
-    trained_methods,
 )
 
 from cvl.data.mixture import (
@@ -207,9 +207,10 @@ def test_run_records_the_shares(tiny, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", trained_methods())
-def test_every_method_trains_with_a_mixture(method, tiny, tmp_path):
-    """Any method (its buffer if it needs one, the buffer then a source of the mixture)."""
+@pytest.mark.parametrize("method", family_methods())
+def test_every_kind_of_method_trains_with_a_mixture(method, tiny, tmp_path):
+    """One method of each kind (`FAMILIES`; its buffer if it needs one, the buffer then a
+    source of the mixture)."""
     extra = method_args(method, tiny)
     run = tmp_path / "run"
     argv = train_argv(tiny, run, method) + extra + _mix_args(tiny, "--buffer" in extra)

@@ -15,10 +15,10 @@ from reliability_helpers import (
     assert_same_run,
     build_tiny_stream,
     cli,
+    family_methods,
     kill_when,
     log_lines,
     train_argv,
-    trained_methods,
 )
 from safetensors.torch import load_file
 from train_helpers import FAST, train_run
@@ -145,11 +145,11 @@ def _with_buffer(args: list[str], buffer: str) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", trained_methods())
-def test_every_method_trains_on_a_time_ordered_stream_with_a_cumulative_buffer(
+@pytest.mark.parametrize("method", family_methods())
+def test_every_kind_of_method_trains_on_a_time_ordered_stream_with_a_cumulative_buffer(
     method, drifting, tmp_path
 ):
-    """Every registered method, with TiC's Cumulative-Exp buffer (iCaRL and LUCIR keep their
+    """One method of each kind (`FAMILIES`), with TiC's Cumulative-Exp buffer (iCaRL and LUCIR keep their
     herding buffer: it is part of their definition) and a per-step sample budget, trains the
     drifting stream (2 steps a task) and evaluates to a TiC table."""
     argv = train_argv(drifting, tmp_path / "r", method)

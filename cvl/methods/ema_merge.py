@@ -49,3 +49,6 @@ class EMAMerge(InterpolationMerge):
 @register("best_in_time")
 class BestInTime(EMAMerge):
     """TIME's Best-in-TIME preset: EMA initialisation and EMA deployment (= ema_merge, α = ½)."""
+
+    #: the registered method this name is a preset of (same class behaviour and defaults)
+    preset_of = "ema_merge"

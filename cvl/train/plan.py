@@ -115,7 +115,8 @@ def check_run(cfg: Any, manifest: Any, method: Any, processes: int) -> dict[str,
     without an optimizer step or a process without rows (`check_plan`). Checked are the
     tasks whose training size is known in advance: every task of a method that trains on
     the task's own pairs without a replay buffer, the first one with a buffer, a joint
-    run's one task; the loop checks the others when it gets to them. Returns their plans."""
+    run's one task (none under a --mixture, whose batches the loop decides); the loop checks
+    the others when it gets to them. Returns their plans."""
     if not getattr(method, "trains", True):
         return {}
     from cvl.methods.base import Method
@@ -129,6 +130,8 @@ def check_run(cfg: Any, manifest: Any, method: Any, processes: int) -> dict[str,
         known = [(len(order) - 1, sum(counts))]
     else:
         known = [(i, counts[i]) for i in range(len(order)) if plain and (i == 0 or not cfg.buffer)]
+    if getattr(cfg, "mixture", None):  # a mixture decides the batches: the loop checks them
+        known = []
     for ti, n in known:
         plan = plan_steps(n, cfg, processes)
         check_plan(plan, order[ti], cfg, stop_on_zero_steps=True)

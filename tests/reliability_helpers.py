@@ -59,8 +59,8 @@ def trained_methods() -> list[str]:
 
 # One method per way a method's data, state or steps differ from seqft's, for the tests that
 # cross methods with another feature (a data mixture, a time-ordered stream with cumulative
-# replay): the per-method guarantees (bitwise resume, budget probes undone, 2 processes = 1)
-# run over every method in test_reliability_resume.py, test_budget.py, test_distributed.py.
+# replay, a budget's probes): bitwise resume and 2 processes = 1 run over every method
+# (test_reliability_resume.py, test_distributed.py).
 FAMILIES = {
     "seqft": "the base loss only",
     "joint": "its own task data (the union of the tasks)",
@@ -77,6 +77,7 @@ FAMILIES = {
     "zscl": "a reference stream and a teacher",
     "wise": "a merge wrapper (weights replaced after the task)",
     "ties": "task vectors from the initial weights (every task restarts)",
+    "opcm": "a merge state beyond task vectors (the projected running sum)",
     "cclip": "required adapters, a projector",
 }
 

@@ -20,10 +20,10 @@ from reliability_helpers import (
     build_tiny_stream,
     cli,
     comparable,
+    family_methods,
     kill_when,
     log_lines,
     train_argv,
-    trained_methods,
 )
 from train_helpers import FAST, assert_same_task_weights, task_log, train_run
 
@@ -366,12 +366,12 @@ def tiny(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", trained_methods())
-def test_every_method_trains_under_a_budget_as_without(method, tiny, tmp_path):
-    """Every registered method (and the buffer it needs): a maf budget measured by the probes
-    (full fine-tuning's reference step, the method's step, its end-of-task work; larger than
-    the run allows, so every task trains its 4 steps) leaves the run bit for bit as the
-    unbudgeted one: the probes are undone completely."""
+@pytest.mark.parametrize("method", family_methods())
+def test_every_kind_of_method_trains_under_a_budget_as_without(method, tiny, tmp_path):
+    """One method of each kind (`FAMILIES`, and the buffer it needs): a maf budget measured by
+    the probes (full fine-tuning's reference step, the method's step, its end-of-task work;
+    larger than the run allows, so every task trains its 4 steps) leaves the run bit for bit
+    as the unbudgeted one: the probes are undone completely."""
     cli(train_argv(tiny, tmp_path / "plain", method))
     cli(train_argv(tiny, tmp_path / "budget", method) + ["--budget", "maf=1000"])
     assert_same_run_but_budget(tmp_path / "plain", tmp_path / "budget")

@@ -197,6 +197,15 @@ WEIGHT_ATOL = 1e-4
 # in each of zscl's runs (2026-11-25 CI: 1.2e-4 apart). Half a real step (lr / 2) still
 # catches a distribution fault.
 KEY_BIAS_ATOL = 2.5e-4
+# Merges that select task-vector entries by magnitude (a rank, a threshold, the larger of two):
+# an entry at the selection's edge flips between kept and dropped when the two runs' task
+# vectors differ by rounding (~1e-5), which moves that one weight by λ·τ, not by noise.
+# Measured 2026-11-26 (2-core CPU): breadcrumbs 4 of 289,537 entries beyond 1e-4 (worst tensor
+# 0.02 % of its entries, at most 3e-4); dare_ties, magmax none. For these the final weights may
+# differ beyond KEY_BIAS_ATOL in at most FLIP_FRACTION of a tensor's entries (every logged
+# loss is still compared at 1e-5: training does not see the flips).
+MAGNITUDE_SELECTING = {"breadcrumbs", "ties", "dare_ties", "tall_masks", "magmax"}
+FLIP_FRACTION = 1e-3
 
 
 def _argv(stream: Path, out: Path, method: str, batch: int) -> list[str]:
@@ -271,12 +280,24 @@ def test_every_method_two_processes_equal_one(method, dist_runs):
             assert abs(a[k] - b[k]) <= tol * (max(1.0, abs(a[k])) if rel else 1.0), (k, a, b)
     w1 = load_file(str(finished_tasks(root / "one" / method)[-1].model_path))
     w2 = load_file(str(finished_tasks(root / "two" / method)[-1].model_path))
-    assert_weights_close(w1, w2, atol=WEIGHT_ATOL, key_bias_atol=KEY_BIAS_ATOL)
+    if method in MAGNITUDE_SELECTING:
+        assert_close_but_for_flips(w1, w2)
+    else:
+        assert_weights_close(w1, w2, atol=WEIGHT_ATOL, key_bias_atol=KEY_BIAS_ATOL)
     # adapters (--tune lora, ...): each rank computes ΔW = B·A once per step whatever its batch
     # (and C-CLIP its projector on the gathered batch), so the ranks' sum counts that work
     # twice; measured +2.2 % (cclip) and +2.3 % (lora_per_task) at batch 8 per rank
     rel = 0.03 if "--tune" in method_args(method) else 0.01
     assert_same_step_cost(root / "one" / method, root / "two" / method, rel)
+
+
+def assert_close_but_for_flips(w1: dict, w2: dict) -> None:
+    """Every tensor within KEY_BIAS_ATOL except at most FLIP_FRACTION of its entries (at least
+    one): a magnitude selection's edge entries (see MAGNITUDE_SELECTING)."""
+    assert set(w1) == set(w2)
+    for k in w1:
+        far = (w1[k].float() - w2[k].float()).abs() > KEY_BIAS_ATOL
+        assert int(far.sum()) <= max(1, int(FLIP_FRACTION * far.numel())), (k, int(far.sum()))
 
 
 def assert_same_step_cost(one: Path, two: Path, rel: float = 0.01) -> None:

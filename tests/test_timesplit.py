@@ -192,7 +192,11 @@ def test_time_split_of_webdataset_shards(tmp_path):
         for i, ts in enumerate(["2015-03-01", "2015-06-01", "2016-01-02", "2016-02-02", None]):
             buf = io.BytesIO()
             Image.new("RGB", (20, 20), (200, 10 * i, 40)).save(buf, format="JPEG")
-            meta = {"uid": f"u{i}", "url": f"http://x/{i}.jpg", "status": "success"}
+            meta = {
+                "uid": f"u{i}",
+                "url": f"http://images.cvl.invalid/{i}.jpg",
+                "status": "success",
+            }
             w.write(
                 {"__key__": f"{i:09d}", "jpg": buf.getvalue(), "txt": f"pic {i}"}
                 | {"json": json.dumps(meta | ({"timestamp": ts} if ts else {})).encode()}

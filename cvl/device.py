@@ -27,6 +27,25 @@ from cvl.errors import CvlError
 if TYPE_CHECKING:  # torch is imported where it is used: `cvl --help` stays fast
     import torch
 
+
+@contextlib.contextmanager
+def exact_float32() -> Iterator[None]:
+    """float32 in full float32 inside the block: no TF32 on GPUs, neither in matmuls nor in
+    cuDNN's convolutions (on by default in torch: a ViT's patch embedding would otherwise run
+    in TF32, ~1e-3 relative error, enough to reorder an evaluation's near-tied scores). The
+    previous settings are restored afterwards; on the CPU this changes nothing."""
+    import torch
+
+    prev = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(prev[0])
+        torch.backends.cudnn.allow_tf32 = prev[1]
+
+
 DEVICE_HELP = (
     "Where the model runs: auto (CUDA when available, else CPU), cpu, cuda, cuda:N. Under "
     "accelerate launch / torchrun each process takes the launcher's device (cpu forces gloo)."

@@ -162,3 +162,27 @@ def test_gpu_count_check_uses_this_nodes_processes(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     monkeypatch.setenv("LOCAL_RANK", "0")
     dev.check_processes_per_gpu("auto")
+
+
+def test_exact_float32_switches_tf32_off_in_matmuls_and_convolutions_and_restores():
+    """Evaluation in float32 is full float32 on a GPU: TF32 off for matmuls and for cuDNN's
+    convolutions (torch's default turns it on there), the previous settings back afterwards,
+    also after an error; `cvl eval --precision no` embeds inside it."""
+    from cvl.evaluation.embed import autocast
+
+    prev = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    torch.set_float32_matmul_precision("high")
+    torch.backends.cudnn.allow_tf32 = True
+    try:
+        with pytest.raises(RuntimeError), dev.exact_float32():
+            assert torch.get_float32_matmul_precision() == "highest"
+            assert torch.backends.cudnn.allow_tf32 is False
+            raise RuntimeError
+        assert torch.get_float32_matmul_precision() == "high"
+        assert torch.backends.cudnn.allow_tf32 is True
+        with autocast("cpu", "no"):
+            assert torch.backends.cudnn.allow_tf32 is False
+        assert torch.backends.cudnn.allow_tf32 is True
+    finally:
+        torch.set_float32_matmul_precision(prev[0])
+        torch.backends.cudnn.allow_tf32 = prev[1]

@@ -7,7 +7,6 @@ parts are gathered in rank order, so all ranks hold the same full matrices.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ from torch.utils.data import Dataset
 
 from cvl.data.reader import PairDataset, collate
 from cvl.data.transforms import EvalTransform
+from cvl.device import exact_float32
 from cvl.errors import CvlError
 from cvl.evaluation.imagestore import ImageBatches, ImageStore, collate_kept
 from cvl.evaluation.options import PRECISIONS
@@ -46,11 +46,12 @@ class Embeddings:
 
 
 def autocast(device: torch.device | str, precision: str = "no") -> Any:
-    """The embedding passes' autocast: `no` = none (float32), `bf16` / `fp16` on `device`."""
+    """The embedding passes' autocast: `no` = none, in full float32 (no TF32 on a GPU, so a GPU
+    embeds as the CPU does up to float32 rounding), `bf16` / `fp16` on `device`."""
     if precision not in PRECISIONS:
         raise CvlError(f"--precision must be one of {', '.join(PRECISIONS)}, got '{precision}'")
     if precision == "no":
-        return contextlib.nullcontext()
+        return exact_float32()
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
     return torch.autocast(torch.device(device).type, dtype=dtype)
 

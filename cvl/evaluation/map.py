@@ -25,7 +25,7 @@ cross-modal retrieval; the sort is stable otherwise (gallery order).
 
 Memory: queries are processed in blocks (at most `block_elems` scores at once) and only the
 top candidates of each query are kept. The scores and the two stable sorts run on `device`
-(default: where the features are; full float32, see `retrieval.exact_matmul`); the top
+(default: where the features are; full float32, see `cvl.device.exact_float32`); the top
 candidates come back to the CPU for the per-query AP.
 """
 
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from cvl.evaluation.retrieval import exact_matmul
+from cvl.device import exact_float32
 
 NS = (1, 5, 10)
 DEFAULT_BLOCK_ELEMS = 1 << 22
@@ -129,7 +129,7 @@ def map_at_n(
                 for gi in g_index.get(query_ids[r], ()):
                     excl[r - r0, gi] = True
         k_keep = min(ng, max_n + int(excl.sum(1).max()) if excl.numel() else max_n)
-        with exact_matmul():
+        with exact_float32():
             s = q[r0:r1] @ g_t  # [c, ng]
         # Pessimistic, stable order: sort by "is positive" (negatives first), then by score.
         same_dev = q_lab[r0:r1, None].to(dev) == g_lab_dev[None, :]

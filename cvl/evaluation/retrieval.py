@@ -34,34 +34,24 @@ matmul (see benchmarks/bench_retrieval.py).
 
 Device: everything above runs where `device` says (default: where the features are; `cvl eval`
 passes its `--device`), the blocks included; only the ranks come back to the CPU. The scores
-are full float32 there too: TF32 matmuls are switched off for the call (`exact_matmul`), so a
+are full float32 there too: TF32 is switched off for the call (`cvl.device.exact_float32`), so a
 GPU ranks as the CPU does up to float32 rounding.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from cvl.device import exact_float32
 
 TIE_EPS = 1e-6
 DEFAULT_BLOCK_ELEMS = 1 << 24  # 16M scores = 64 MB float32 per block
 MAX_BLOCK_ROWS = 32767  # column counts of one block are summed in int16
 _ROW_CHUNK = 32767
-
-
-@contextlib.contextmanager
-def exact_matmul() -> Iterator[None]:
-    """float32 matmuls in full float32 for the block (no TF32 on GPUs), restored afterwards."""
-    prev = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(prev)
 
 
 def _count_rows(mask: torch.Tensor) -> torch.Tensor:
@@ -159,7 +149,7 @@ def retrieval_ranks(
     if ties not in ("pessimistic", "optimistic"):
         raise ValueError(f"ties must be 'pessimistic' or 'optimistic', got {ties!r}")
     dev = torch.device(device) if device is not None else image_features.device
-    with exact_matmul():
+    with exact_float32():
         img_rank, txt_rank = _ranks(
             image_features.to(dev, torch.float32),
             text_features.to(dev, torch.float32),

@@ -25,7 +25,7 @@ demo: $(STAMP)
 # Two workers (pytest-xdist), one thread each; tests that share an expensive module fixture
 # are grouped onto one worker (`xdist_group`).
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadgroup
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=30
 
 # Every paper recipe's --smoke mode (recipes/*.sh: the protocols on synthetic stand-ins, tiny
 # models, CPU), as the tests marked `recipes` that `make test` leaves out; two at a time

@@ -1,5 +1,6 @@
 # The README's two commands: `make demo` and `make test`. Both create .venv when missing and
-# install every dependency themselves (torch pinned to the CPU-capable pair that lies on disk).
+# install every dependency themselves (torch pinned to the CPU-capable pair that lies on disk;
+# the `dev` and `docs` extras: CI builds the documentation site too).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -8,7 +9,7 @@ TORCH_PIN := torch==2.14.1 torchvision==0.29.1
 DEMO_DIR ?= demo-out
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: venv demo test smoke lint format bench gpu-check clean
+.PHONY: venv demo test smoke lint format bench gpu-check docs docs-serve clean
 
 venv: $(STAMP)
 
@@ -16,7 +17,7 @@ $(STAMP): setup.cfg pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH_PIN)
-	$(BIN)/python -m pip install -q -e '.[dev]' $(TORCH_PIN)
+	$(BIN)/python -m pip install -q -e '.[dev,docs]' $(TORCH_PIN)
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -52,5 +53,13 @@ GPU_PY = $(if $(filter command line,$(origin PY)),$(PY),$(if $(wildcard $(BIN)/p
 gpu-check:
 	$(GPU_PY) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
+# The documentation site (mkdocs.yml, docs/): built into site/ with --strict, so a broken link,
+# anchor or mkdocstrings reference fails; docs-serve previews it on http://127.0.0.1:8000.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
+docs-serve: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
+
 clean:
-	rm -rf $(DEMO_DIR) .pytest_cache
+	rm -rf $(DEMO_DIR) .pytest_cache site

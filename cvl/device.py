@@ -7,7 +7,7 @@ gives each process its device and `--device` can only force the CPU (gloo).
 Determinism (`set_deterministic`): torch's deterministic algorithms, cuBLAS's fixed workspace
 (the variable must be set before the first cuBLAS call, so commands set it before any model
 reaches the GPU) and no cuDNN benchmarking. About free on the CPU; on a GPU it costs time
-(measured in `../README.md`, profiled by `benchmarks/bench_determinism.py`), so the default is
+(measured in `docs/reproducibility.md`, profiled by `benchmarks/bench_determinism.py`), so the default is
 per device (`deterministic_default`). Under several processes on CUDA each process of a node
 needs a GPU of its own (`check_processes_per_gpu`); `accelerator()` builds the Accelerate
 object of a command on the chosen device.
@@ -201,7 +201,7 @@ def model_runner(spec: str = "auto") -> tuple[Any, torch.device]:
 
 
 def deterministic_default(device: torch.device | str) -> bool:
-    """On where determinism is free (the CPU); off on GPUs, where it slows a step (README)."""
+    """On where determinism is free (the CPU); off on GPUs, where it slows a step (docs/reproducibility.md)."""
     import torch
 
     return torch.device(device).type == "cpu"
@@ -266,7 +266,7 @@ def deterministic_option(f: Callable) -> Callable:
         "no cuDNN benchmarking); an op without a deterministic kernel stops the command. "
         "Reruns and resumes are bit-identical only with it on. Default: on for the CPU, off "
         "on GPUs, where it costs time (one H100, bare ViT-B-32 bf16 step, batch 256: "
-        "1.5-1.9x slower; README: Reproducibility).",
+        "1.5-1.9x slower; docs/reproducibility.md).",
     )(f)
 
 

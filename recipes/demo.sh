@@ -15,7 +15,7 @@
 #        SEED=N; sizes PER_TASK=250 pairs per task,
 #        PRETRAIN=1500 pretraining pairs, TEST=100 test pairs per task;
 #        BUDGET=SPEC trains every method to that `cvl train --budget` into runs/METHOD-budget
-#        (README: Comparing at equal compute);
+#        (docs/compute.md: Comparing at equal compute);
 #        recipes/synthetic_benchmark.sh runs it over 3 seeds with 600 / 2000 / 128)
 # Rerunning reuses what is finished (stream, runs, evaluations). What was traded for the
 # 5-minute budget (against recipes/synthetic_methods.sh): 250 pairs per task and 2 epochs

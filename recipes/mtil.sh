@@ -32,7 +32,7 @@
 # Bigger stand-in (environment): SMOKE_DATASETS (3), SMOKE_TRAIN / SMOKE_TEST images per class
 # (16 / 8), SMOKE_STEPS per task (6), SMOKE_LR, SMOKE_PRETRAIN images (192), SMOKE_CLIP0_STEPS
 # (12), SMOKE_CLIP0_BATCH (per process), SMOKE_CLIP0_LR; recipes/mtil_benchmark.sh (the
-# README's table) sets them.
+# docs/mtil.md's table) sets them.
 #
 # Common options (recipes/lib.sh):
 source "$(dirname "$0")/lib.sh"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The README's synthetic MTIL table: `recipes/mtil.sh --smoke` on a bigger stand-in (4
+# The synthetic MTIL table (docs/mtil.md): `recipes/mtil.sh --smoke` on a bigger stand-in (4
 # datasets of 4 shapes, 32 training / 16 test images per class; a CLIP_0 trained 300 steps of
 # batch 32 at lr 2e-3 on a 1,600-image pool of all 16 shapes; 30 steps of batch 16 per task
 # at lr 1e-3; the MTIL objective, recipes/configs/mtil-smoke.yaml), every method of the

@@ -3,7 +3,7 @@
 # shared vocabulary between neighbouring tasks, CLIP_0 trained on the pretraining set, every
 # method started from it) for each seed, then mean ± sd of the headline numbers.
 # Usage: recipes/synthetic_benchmark.sh [OUT_DIR] [SEEDS]     (default: bench "0 1 2")
-# The README's results tables are this script's output. BUDGET=SPEC (e.g. tflops=0.166, SeqF's
+# The results tables (docs/results.md) are this script's output. BUDGET=SPEC (e.g. tflops=0.166, SeqF's
 # two epochs) trains every method to that `--budget` instead (runs METHOD-budget, reusing each
 # seed's stream and CLIP_0) and adds each run's TFLOPs and steps to the table.
 set -euo pipefail

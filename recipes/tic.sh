@@ -23,7 +23,7 @@
 # 3 steps, the first merging 2 yearly periods), tiny CLIP from random weights, C = 48 samples,
 # TiC's five policies (sequential, the three cumulative ones, oracle; --methods for more):
 #   recipes/tic.sh --smoke --out tic-smoke
-# --synthetic: the README's table (one seed per call, --seed N): the drifting synthetic stream
+# --synthetic: the docs' table, docs/results.md (one seed per call, --seed N): the drifting synthetic stream
 # of 6 yearly periods (2014-2016 merged: 4 steps), 3,600 pairs a period, C = 4,800 samples a
 # step (1.3 passes over a period's pairs, as TiC-DataComp-medium's 18.4M samples over a year),
 # D = 3,600 (a period's pairs, TiC's D), 100 retrieval pairs a period

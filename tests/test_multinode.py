@@ -1,4 +1,4 @@
-"""The documented multi-node launch (README "Several GPUs, several nodes"), run as two "nodes"
+"""The documented multi-node launch (docs/scaling.md, "Several GPUs, several nodes"), run as two "nodes"
 on one machine: two `torchrun --nnodes 2 --nproc_per_node 1 --rdzv_backend c10d
 --rdzv_endpoint 127.0.0.1:PORT` launches, one process each (gloo, the CPU: both "nodes" would
 otherwise take GPU 0). The run must train exactly as one node with two processes, its files
@@ -43,7 +43,7 @@ def _train(stream: Path, out: Path) -> list[str]:
 
 
 def _node(rank: int, port: int, rdzv: str, args: list[str], log: Path) -> subprocess.Popen:
-    """One "node": the README's torchrun line with a local c10d rendezvous."""
+    """One "node": the documented torchrun line (docs/scaling.md) with a local c10d rendezvous."""
     cmd = [
         sys.executable,
         "-m",

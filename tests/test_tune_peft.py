@@ -2,10 +2,10 @@
 A, B, scaling (and DoRA magnitude) give the same outputs on `nn.Linear`, `nn.Conv2d` and
 `nn.MultiheadAttention`'s fused in-projection (peft's `lora.MultiheadAttention` through
 `target_modules`, and its `ParamWrapper` through `target_parameters`), so a change of either
-shows up here. What peft does not do (README, "Parameter-efficient tuning and merging") is
+shows up here. What peft does not do (docs/methods.md, "Parameter-efficient tuning and merging") is
 checked too: DoRA on attention is refused, the ResNet attention pool's projections are left
 unadapted without a word, and its `MultiheadAttention` applies the out-projection delta twice
-(peft PR #3774, open; a strict xfail, so a fixed peft turns this file red until the README
+(peft PR #3774, open; a strict xfail, so a fixed peft turns this file red until the docs
 says so)."""
 
 from __future__ import annotations

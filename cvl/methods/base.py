@@ -236,14 +236,21 @@ class Method:
         return self.own_entries(ctx) + list(extra)
 
     def before_task(self, ctx: TaskContext) -> None:
-        pass
+        """At the start of each task that trains (also when it resumes mid-task), before its
+        data is built: load the old model, reset per-task state."""
 
     def before_step(self, ctx: TaskContext) -> None:
-        pass
+        """Before the first micro-batch of each optimizer step (random state already seeded)."""
 
     def loss(
         self, batch: dict[str, Any], out: dict[str, torch.Tensor], ctx: TaskContext
     ) -> dict[str, torch.Tensor]:
+        """Named loss terms of one micro-batch, summed by the loop and logged one by one.
+
+        `out` holds the training model's normalised `image_features` / `text_features`,
+        `logit_scale` and the raw `image_raw` / `text_raw`; the default is the base loss
+        (ITC over the global batch, + MLM for the fusion model).
+        """
         return base_loss(ctx.model, batch, out, ctx)
 
     def after_backward(self, ctx: TaskContext) -> None:
@@ -251,10 +258,11 @@ class Method:
         ranks, not yet clipped or applied (read them, or add an analytic gradient to them)."""
 
     def after_step(self, ctx: TaskContext) -> None:
-        pass
+        """After each applied optimizer step (not after a skipped one): EMAs, path integrals."""
 
     def after_task(self, ctx: TaskContext) -> None:
-        pass
+        """At the end of each task, with its final (or best-val) weights loaded and before the
+        replay buffer is updated and the checkpoint written: importances, merges."""
 
     def extra_parameters(self) -> list[nn.Parameter]:
         """Trainable parameters the method owns besides the model's (optimised with it)."""
@@ -265,7 +273,7 @@ class Method:
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
+        """Restore what `state_dict` returned (on resume, and from a finished task's folder)."""
 
 
 _PASSED = ("needs_buffer", "buffer_hint", "selects_best_val", "trains", "itc_only", "tunes")

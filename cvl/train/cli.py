@@ -162,7 +162,7 @@ _OPTS = [
     "over the whole stream (planned from the tasks' steps or budget shares); FoMo-in-Flux's "
     "per-task cosine-fomo and rsqrt (√(W/n) + linear cool-down) and its meta-schedules, where "
     "each task's peak follows the stream: cosine-ar, cosine-dyn, rsqrt-ar, rsqrt-cont "
-    "(README: Learning-rate schedules).",
+    "(docs/schedules.md: Learning-rate schedules).",
 )
 @click.option(
     "--cooldown",
@@ -346,7 +346,7 @@ _OPTS = [
     "memory / full fine-tuning's memory on the same model) for the whole stream (shared by "
     "the tasks: maf equally, samples/tflops by training pairs), or N/task for each task. Each "
     "task's steps = its budget / the measured cost of one of its steps; --epochs stays an "
-    "upper bound. README: Comparing at equal compute.",
+    "upper bound. docs/compute.md: Comparing at equal compute.",
 )
 @click.option(
     "--budget-arg",
@@ -368,7 +368,7 @@ _OPTS = [
     "(--buffer) and a pretraining source (--pretrain-data), as FoMo-in-Flux's data_mixture: "
     "floor(batch × share) each, the rest one by one in the order pretrain, task, buffer; with "
     "no buffer items yet (the first task) the buffer's part goes to the task and pretrain. An "
-    "epoch is one pass over the task's own items. README: Data mixtures.",
+    "epoch is one pass over the task's own items. docs/schedules.md: Data mixtures.",
 )
 @click.option(
     "--pretrain-data",

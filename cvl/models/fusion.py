@@ -648,10 +648,10 @@ class FusionModel(VLModel):
     def load_pretrained(self, path: str | Path) -> None:
         """Full-model weights: a cvl model file or an ALBEF/CTP checkpoint (extra keys such as
         the momentum encoders, queues or ITM head are ignored; every model key must be present)."""
-        from cvl.models import _is_cvl_checkpoint, load_weights
+        from cvl.models.weights import is_cvl_checkpoint, load_weights
 
         p = Path(path)
-        if _is_cvl_checkpoint(p):
+        if is_cvl_checkpoint(p):
             load_weights(self, p)
         else:
             sd = _read_state_dict(p)

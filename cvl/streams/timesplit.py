@@ -43,7 +43,8 @@ import numpy as np
 
 from cvl.errors import CvlError
 from cvl.streams.manifest import Benchmark, ShardSet
-from cvl.streams.pipeline import Dropper, Row, SplitRule
+from cvl.streams.rows import Dropper, Row
+from cvl.streams.splitrules import SplitRule
 
 UNITS = ("year", "quarter", "month")
 FORMATS = ("auto", "iso", "epoch", "epoch_ms")

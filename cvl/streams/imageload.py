@@ -12,7 +12,7 @@ import base64
 import binascii
 from collections.abc import Iterator
 
-from cvl.streams.download import (
+from cvl.streams.resize import (
     ImageOptions,
     process_bytes,
     process_local,

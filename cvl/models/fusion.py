@@ -57,6 +57,7 @@ from cvl.models.fusion_layers import (  # noqa: F401  (re-exported: their home w
     build_vit,
     init_bert,
 )
+from cvl.models.weights import is_cvl_checkpoint, load_weights
 
 log = logging.getLogger(__name__)
 
@@ -352,8 +353,6 @@ class FusionModel(VLModel):
     def load_pretrained(self, path: str | Path) -> None:
         """Full-model weights: a cvl model file or an ALBEF/CTP checkpoint (extra keys such as
         the momentum encoders, queues or ITM head are ignored; every model key must be present)."""
-        from cvl.models.weights import is_cvl_checkpoint, load_weights
-
         p = Path(path)
         if is_cvl_checkpoint(p):
             load_weights(self, p)

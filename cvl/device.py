@@ -292,3 +292,13 @@ def determinism(flag: bool | None, device: torch.device | str) -> Iterator[bool]
     finally:
         torch.use_deterministic_algorithms(prev[0])
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = prev[1], prev[2]
+
+
+def fork_rng(device: torch.device):  # noqa: ANN201
+    """Torch's RNG states (the CPU's and, on CUDA, this device's) restored on exit."""
+    import torch
+
+    if device.type != "cuda":
+        return torch.random.fork_rng(devices=[])
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.random.fork_rng(devices=[idx])

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from cvl.errors import CvlError
+from cvl.writes import make_dirs
 
 # lock file -> [fd, depth, folders made for it, token] of the locks this process holds
 _HELD: dict[str, list[Any]] = {}
@@ -120,8 +121,6 @@ class FolderLock:
             self._token = _HELD[key][3]
             self._held = True
             return self
-        from cvl.io import make_dirs
-
         parent = self.path.parent
         made = [p for p in [parent, *parent.parents] if not p.exists()]
         make_dirs(parent, what=str(self.folder))

@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import datetime as _dt
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from cvl import __version__
 from cvl.evaluation import continual, mtil
-from cvl.evaluation.checkpoint import pairs_set, zs_templates_note
+from cvl.evaluation.checkpoint import Checkpoint, pairs_set, zs_templates_note
 from cvl.evaluation.fomo import fomo_summary
 from cvl.evaluation.options import PRECISION_NOTES, EvalOptions
 from cvl.evaluation.transfer import tic_table
-
-if TYPE_CHECKING:
-    from cvl.evaluation.runner import Checkpoint
 
 EVAL_SCHEMA = "cvl.eval/1"
 

@@ -17,6 +17,8 @@ Every set is embedded once (`features.py`); the metrics reuse those features.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -32,6 +34,23 @@ from cvl.evaluation.retrieval import DEFAULT_BLOCK_ELEMS, retrieval_metrics
 from cvl.evaluation.zeroshot import grouped_class_embeddings, load_templates, zeroshot_classify
 
 MAP_COUNTS = ("n_queries", "n_gallery", "n_no_positive", "n_unlabelled")
+
+
+# The folder of the initial weights in a run (`init/model.safetensors`): the evaluation's row -1.
+INIT_DIR = "init"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One row of the evaluation: the initial weights (index -1) or the model after a task."""
+
+    index: int
+    task: str | None
+    path: Path
+
+    @property
+    def label(self) -> str:
+        return INIT_DIR if self.index < 0 else f"{self.index:02d}-{self.task}"
 
 
 class EvalContext:

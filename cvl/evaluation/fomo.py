@@ -30,6 +30,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from cvl.evaluation.markdown import fmt
+
 ZS_KEY = "ZS-top1"  # classification datasets: zero-shot accuracy among the task's classes
 
 
@@ -147,8 +149,6 @@ def fomo_summary(m: dict[str, Any]) -> dict[str, Any] | None:
 
 def table_fomo(m: dict[str, Any]) -> tuple[list[str], list[list[str]]] | None:
     """summary.md's FoMo table: A_KA, A_ZS and GM of every evaluated model."""
-    from cvl.evaluation.report import fmt
-
     f = m.get("fomo") or fomo_summary(m)
     if not f:
         return None

@@ -30,6 +30,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from cvl.evaluation.markdown import fmt
+
 #: (metrics.json key, R-matrix metric, title)
 PROTOCOLS = (
     ("mtil", "ZS-top1", "MTIL (ZSCL Table 1): each test set among its own classes"),
@@ -96,8 +98,6 @@ def block(matrices: dict[str, Any], tasks: list[str], n_rows: int) -> dict[str, 
 
 def table(m: dict[str, Any], key: str) -> tuple[list[str], list[list[str]]] | None:
     """Rows Transfer / Avg. / Last, a column per task and the mean (ZSCL Table 1's layout)."""
-    from cvl.evaluation.report import fmt
-
     b = (m.get("mtil") or {}).get(key)
     if not b:
         return None

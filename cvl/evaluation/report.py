@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import csv
 import io
-import math
 import os
 import re
 from collections.abc import Sequence
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from cvl.evaluation.fomo import table_fomo
+from cvl.evaluation.markdown import fmt, md_table
 from cvl.io import atomic_write_bytes, write_json
 
 MATRIX_METRICS_MTIL = ["ZS-all-top1"]  # X-TAIL's matrix, shown when a run has it
@@ -53,21 +53,6 @@ CONTINUAL_COLS = [
     ("forgetting_rate", "FR (DHA)"),
     ("fwt", "FWT"),
 ]
-
-
-def fmt(v: Any, signed: bool = False) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "–"
-    if abs(v) < 0.005:
-        v = 0.0  # no "-0.00"
-    return f"{v:+.2f}" if signed else f"{v:.2f}"
-
-
-def md_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A Markdown table (values already formatted as strings)."""
-    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
-    return "\n".join(out)
 
 
 def safe_name(metric: str) -> str:

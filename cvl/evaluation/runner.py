@@ -25,7 +25,6 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +45,14 @@ from cvl.evaluation.assemble import (
     build_metrics,
     method_label,
 )
-from cvl.evaluation.checkpoint import evaluate_checkpoint, match_rule, pairs_set, zs_templates_name
+from cvl.evaluation.checkpoint import (
+    INIT_DIR,
+    Checkpoint,
+    evaluate_checkpoint,
+    match_rule,
+    pairs_set,
+    zs_templates_name,
+)
 from cvl.evaluation.features import EmbedSettings
 from cvl.evaluation.imagestore import ImageStore
 from cvl.evaluation.options import EvalOptions, resolve_workers
@@ -82,20 +88,6 @@ __all__ = [  # what other modules import from here (one home each: the modules n
 ]
 
 CACHE_VERSION = 1
-INIT_DIR = "init"
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    """One row of the evaluation: the initial weights (index -1) or the model after a task."""
-
-    index: int
-    task: str | None
-    path: Path
-
-    @property
-    def label(self) -> str:
-        return INIT_DIR if self.index < 0 else f"{self.index:02d}-{self.task}"
 
 
 # -- locating things ----------------------------------------------------------------------

@@ -30,6 +30,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from cvl.evaluation.markdown import fmt
+
 METRIC = "mR@1"
 METRIC_NOTE = (
     "mR@1 = (TR@1 + IR@1) / 2 on each period's retrieval set (DataComp's mean_recall@1, "
@@ -131,8 +133,6 @@ def time_benchmarks(m: dict[str, Any]) -> set[str]:
 def table_tic(m: dict[str, Any]) -> tuple[list[str], list[list[str]]] | None:
     """summary.md's TiC table: mR@1 of each checkpoint on each period (the period a model
     last trained on in brackets), then ID / backward / forward."""
-    from cvl.evaluation.report import fmt
-
     tic = m.get("tic")
     if not tic or not tic.get("matrix"):
         return None

@@ -27,6 +27,7 @@ from torch import nn
 from cvl.data.tokenizers import build_tokenizer
 from cvl.errors import CvlError
 from cvl.models.base import VLModel
+from cvl.models.weights import is_cvl_checkpoint, load_weights
 
 log = logging.getLogger(__name__)
 
@@ -180,12 +181,10 @@ class CLIPModel(VLModel):
     # --- weights -------------------------------------------------------------------------------
     def load_pretrained(self, path: str | Path) -> None:
         """Weights from a local file: an open_clip/OpenAI checkpoint or a cvl model file."""
-        from cvl.models import _is_cvl_checkpoint, load_weights
-
         p = Path(path)
         if not p.is_file():
             raise CvlError(f"{p}: pretrained weights file not found")
-        if _is_cvl_checkpoint(p):
+        if is_cvl_checkpoint(p):
             load_weights(self, p)
         else:
             from open_clip.factory import load_checkpoint

@@ -7,9 +7,10 @@
 - an MLM head (BertForMaskedLM's, decoder tied to the word embeddings);
 - linear projections of both CLS states to `embed_dim` (CTP: 256) and a fixed τ = 0.07.
 
-The BERT layers are implemented here (same parameter names as HF `BertModel` /
-`BertForMaskedLM` and as ALBEF's `xbert`), so `bert-base-chinese`-style folders and
-ALBEF/CTP checkpoints load without depending on a transformers version's internals. The
+The BERT layers are implemented in cvl (`fusion_layers.py`, with the same parameter names as
+HF `BertModel` / `BertForMaskedLM` and as ALBEF's `xbert`), so `bert-base-chinese`-style
+folders and ALBEF/CTP checkpoints load without depending on a transformers version's
+internals; the config is read and checked in `fusion_config.py` (both re-exported here). The
 module tree mirrors ALBEF: `visual_encoder`, `text_encoder.bert`, `text_encoder.cls`,
 `vision_proj`, `text_proj`.
 
@@ -33,7 +34,6 @@ computes the MLM logits inside `forward` too (what DDP wants: one forward per st
 from __future__ import annotations
 
 import copy
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -46,317 +46,22 @@ from cvl.data.tokenizers import build_tokenizer
 from cvl.device import to_device
 from cvl.errors import CvlError
 from cvl.models.base import VLModel
+from cvl.models.fusion_config import (  # noqa: F401  (re-exported: their home was this module)
+    BERT_DEFAULTS,
+    VIT_DEFAULTS,
+    normalize_config,
+)
+from cvl.models.fusion_layers import (  # noqa: F401  (re-exported: their home was this module)
+    BertModel,
+    TextEncoder,
+    build_vit,
+    init_bert,
+)
+from cvl.models.weights import is_cvl_checkpoint, load_weights
 
 log = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
-
-BERT_DEFAULTS: dict[str, Any] = {
-    "vocab_size": 30522,
-    "hidden_size": 768,
-    "num_attention_heads": 12,
-    "intermediate_size": 3072,
-    "max_position_embeddings": 512,
-    "type_vocab_size": 2,
-    "layer_norm_eps": 1e-12,
-    "hidden_dropout_prob": 0.1,
-    "attention_probs_dropout_prob": 0.1,
-    "initializer_range": 0.02,
-}
-
-VIT_DEFAULTS: dict[str, Any] = {
-    "img_size": 224,
-    "patch_size": 16,
-    "embed_dim": 768,
-    "depth": 12,
-    "num_heads": 12,
-    "mlp_ratio": 4.0,
-}
-
-
-# --------------------------------------------------------------------------------------------
-# BERT layers (HF parameter names)
-# --------------------------------------------------------------------------------------------
-
-
-class _Embeddings(nn.Module):
-    def __init__(self, c: dict[str, Any]) -> None:
-        super().__init__()
-        h = c["hidden_size"]
-        self.word_embeddings = nn.Embedding(c["vocab_size"], h)
-        self.position_embeddings = nn.Embedding(c["max_position_embeddings"], h)
-        self.token_type_embeddings = nn.Embedding(c["type_vocab_size"], h)
-        self.LayerNorm = nn.LayerNorm(h, eps=c["layer_norm_eps"])
-        self.dropout = nn.Dropout(c["hidden_dropout_prob"])
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(ids.shape[1], device=ids.device)
-        x = self.word_embeddings(ids) + self.position_embeddings(pos)[None]
-        x = x + self.token_type_embeddings.weight[0]
-        return self.dropout(self.LayerNorm(x))
-
-
-class _SelfAttention(nn.Module):
-    """Multi-head attention named like HF's `BertSelfAttention` (query / key / value)."""
-
-    def __init__(self, c: dict[str, Any], kv_width: int | None = None) -> None:
-        super().__init__()
-        h = c["hidden_size"]
-        self.heads = c["num_attention_heads"]
-        if h % self.heads:
-            raise CvlError(f"hidden_size {h} is not a multiple of num_attention_heads {self.heads}")
-        kv = kv_width or h
-        self.query = nn.Linear(h, h)
-        self.key = nn.Linear(kv, h)
-        self.value = nn.Linear(kv, h)
-        self.p_drop = c["attention_probs_dropout_prob"]
-
-    def forward(
-        self, x: torch.Tensor, mask: torch.Tensor | None, kv: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        n, lq, h = x.shape
-        src = x if kv is None else kv
-        d = h // self.heads
-
-        def split(t: torch.Tensor) -> torch.Tensor:
-            return t.view(n, -1, self.heads, d).transpose(1, 2)
-
-        q, k, v = split(self.query(x)), split(self.key(src)), split(self.value(src))
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=self.p_drop if self.training else 0.0
-        )
-        return out.transpose(1, 2).reshape(n, lq, h)
-
-
-class _SelfOutput(nn.Module):
-    def __init__(self, c: dict[str, Any], in_width: int) -> None:
-        super().__init__()
-        self.dense = nn.Linear(in_width, c["hidden_size"])
-        self.LayerNorm = nn.LayerNorm(c["hidden_size"], eps=c["layer_norm_eps"])
-        self.dropout = nn.Dropout(c["hidden_dropout_prob"])
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(self.dropout(self.dense(x)) + residual)
-
-
-class _Attention(nn.Module):
-    def __init__(self, c: dict[str, Any], kv_width: int | None = None) -> None:
-        super().__init__()
-        self.self = _SelfAttention(c, kv_width)
-        self.output = _SelfOutput(c, c["hidden_size"])
-
-    def forward(
-        self, x: torch.Tensor, mask: torch.Tensor | None, kv: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        return self.output(self.self(x, mask, kv), x)
-
-
-class _Intermediate(nn.Module):
-    def __init__(self, c: dict[str, Any]) -> None:
-        super().__init__()
-        self.dense = nn.Linear(c["hidden_size"], c["intermediate_size"])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.gelu(self.dense(x))
-
-
-class _Layer(nn.Module):
-    """A BERT layer; with `cross_width`, cross-attention to image tokens after self-attention."""
-
-    def __init__(self, c: dict[str, Any], cross_width: int | None = None) -> None:
-        super().__init__()
-        self.attention = _Attention(c)
-        self.has_cross = cross_width is not None
-        if self.has_cross:
-            self.crossattention = _Attention(c, kv_width=cross_width)
-        self.intermediate = _Intermediate(c)
-        self.output = _SelfOutput(c, c["intermediate_size"])
-        self.grad_checkpointing = False
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        mask: torch.Tensor | None,
-        image: torch.Tensor | None = None,
-        image_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        if self.grad_checkpointing and torch.is_grad_enabled():
-            from torch.utils.checkpoint import checkpoint
-
-            return checkpoint(self._forward, x, mask, image, image_mask, use_reentrant=False)
-        return self._forward(x, mask, image, image_mask)
-
-    def _forward(
-        self,
-        x: torch.Tensor,
-        mask: torch.Tensor | None,
-        image: torch.Tensor | None,
-        image_mask: torch.Tensor | None,
-    ) -> torch.Tensor:
-        x = self.attention(x, mask)
-        if self.has_cross:
-            x = self.crossattention(x, image_mask, kv=image)
-        return self.output(self.intermediate(x), x)
-
-
-class _Encoder(nn.Module):
-    def __init__(self, layers: list[_Layer]) -> None:
-        super().__init__()
-        self.layer = nn.ModuleList(layers)
-
-
-class _Bert(nn.Module):
-    def __init__(self, c: dict[str, Any], text_layers: int, fusion_layers: int, cross_width: int):
-        super().__init__()
-        self.embeddings = _Embeddings(c)
-        layers = [_Layer(c) for _ in range(text_layers)]
-        layers += [_Layer(c, cross_width) for _ in range(fusion_layers)]
-        self.encoder = _Encoder(layers)
-        self.text_layers = text_layers
-
-
-class _PredictionHeadTransform(nn.Module):
-    def __init__(self, c: dict[str, Any]) -> None:
-        super().__init__()
-        self.dense = nn.Linear(c["hidden_size"], c["hidden_size"])
-        self.LayerNorm = nn.LayerNorm(c["hidden_size"], eps=c["layer_norm_eps"])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(F.gelu(self.dense(x)))
-
-
-class _LMPredictionHead(nn.Module):
-    def __init__(self, c: dict[str, Any], word_embeddings: nn.Embedding) -> None:
-        super().__init__()
-        self.transform = _PredictionHeadTransform(c)
-        self.decoder = nn.Linear(c["hidden_size"], c["vocab_size"], bias=False)
-        self.decoder.weight = word_embeddings.weight  # tied, as in BERT
-        self.bias = nn.Parameter(torch.zeros(c["vocab_size"]))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.decoder(self.transform(x)) + self.bias
-
-
-class _MLMHead(nn.Module):
-    def __init__(self, c: dict[str, Any], word_embeddings: nn.Embedding) -> None:
-        super().__init__()
-        self.predictions = _LMPredictionHead(c, word_embeddings)
-
-
-class _TextEncoder(nn.Module):
-    """ALBEF's `text_encoder` (a BertForMaskedLM): `bert` + MLM head `cls`."""
-
-    def __init__(self, c: dict[str, Any], text_layers: int, fusion_layers: int, cross_width: int):
-        super().__init__()
-        self.bert = _Bert(c, text_layers, fusion_layers, cross_width)
-        self.cls = _MLMHead(c, self.bert.embeddings.word_embeddings)
-
-
-def _init_bert(module: nn.Module, std: float) -> None:
-    for m in module.modules():
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, std=std)
-            if isinstance(m, nn.Linear) and m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.LayerNorm):
-            nn.init.ones_(m.weight)
-            nn.init.zeros_(m.bias)
-
-
-def _build_vit(v: dict[str, Any]) -> nn.Module:
-    from functools import partial
-
-    from timm.models.vision_transformer import VisionTransformer
-
-    args = {k: val for k, val in v.items() if k != "timm_model"}
-    if v.get("timm_model"):
-        import timm
-
-        try:
-            return timm.create_model(v["timm_model"], pretrained=False, num_classes=0, **args)
-        except RuntimeError as e:
-            raise CvlError(f"timm model '{v['timm_model']}': {e}") from None
-    args = {**VIT_DEFAULTS, **args}
-    return VisionTransformer(
-        num_classes=0, qkv_bias=True, norm_layer=partial(nn.LayerNorm, eps=1e-6), **args
-    )
-
-
-# --------------------------------------------------------------------------------------------
-# config
-# --------------------------------------------------------------------------------------------
-
-
-def _read_bert_folder_config(folder: Path) -> dict[str, Any]:
-    p = folder / "config.json"
-    if not p.is_file():
-        raise CvlError(f"{folder}: not a BERT folder (no config.json)")
-    c = json.loads(p.read_text(encoding="utf-8"))
-    return {k: c[k] for k in [*BERT_DEFAULTS, "num_hidden_layers"] if k in c}
-
-
-def normalize_config(
-    cfg: dict[str, Any], tokenizer: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """A complete `fusion` config (BERT geometry filled from `text_pretrained` if given)."""
-    cfg = copy.deepcopy(cfg)
-    init = dict(cfg.get("init") or {})
-    for k in ("image_pretrained", "text_pretrained", "pretrained"):
-        if cfg.get(k):
-            init[k] = str(cfg[k])
-        init.setdefault(k, None)
-    text = {**BERT_DEFAULTS, **cfg.get("text", {})}
-    text_layers, fusion_layers = cfg.get("text_layers"), cfg.get("fusion_layers")
-    user_text = cfg.get("text_pretrained")  # only a user config reads the folder, never init
-    if user_text:
-        folder = Path(user_text)
-        if not folder.is_dir():
-            raise CvlError(f"{folder}: text_pretrained must be a local BERT folder")
-        folder_cfg = _read_bert_folder_config(folder)
-        n = folder_cfg.pop("num_hidden_layers", None)
-        text.update(folder_cfg)
-        if n and text_layers is None and fusion_layers is None:
-            text_layers, fusion_layers = n - n // 2, n // 2
-    text.pop("num_hidden_layers", None)
-    text_layers = 6 if text_layers is None else int(text_layers)
-    fusion_layers = 6 if fusion_layers is None else int(fusion_layers)
-    if text_layers < 1 or fusion_layers < 1:
-        raise CvlError("fusion model needs text_layers >= 1 and fusion_layers >= 1")
-    vision = {**cfg.get("vision", {})}
-    if not vision.get("timm_model"):
-        vision = {**VIT_DEFAULTS, **vision}
-    image_size = int(cfg.get("image_size") or vision.get("img_size", 224))
-    vision["img_size"] = image_size
-
-    tok = tokenizer or cfg.get("tokenizer")
-    if tok is None and user_text:
-        folder = Path(user_text)
-        if any((folder / f).is_file() for f in ("vocab.txt", "tokenizer.json")):
-            tok = {"type": "bert", "path": str(folder), "context_length": 30}
-    if tok is None:
-        raise CvlError(
-            "fusion model needs a tokenizer: set 'text_pretrained' to a local BERT folder "
-            "(with vocab.txt), or pass tokenizer={'type': 'bert', 'path': FOLDER} "
-            "(or {'type': 'hash', ...} for toy models)"
-        )
-    tok = dict(tok)
-    if tokenizer is not None and not init["text_pretrained"]:
-        # a random-init text tower follows the tokenizer's vocabulary
-        tok_obj = build_tokenizer(tok)
-        text["vocab_size"] = int(tok_obj.vocab_size)
-    return {
-        "kind": "fusion",
-        "name": cfg.get("name"),
-        "vision": vision,
-        "text": text,
-        "text_layers": text_layers,
-        "fusion_layers": fusion_layers,
-        "embed_dim": int(cfg.get("embed_dim", 256)),
-        "temperature": float(cfg.get("temperature", 0.07)),
-        "image_size": image_size,
-        "tokenizer": tok,
-        "init": init,
-    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -400,10 +105,10 @@ class FusionModel(VLModel):
         self.text_layers = self._cfg["text_layers"]
         self.fusion_layers = self._cfg["fusion_layers"]
 
-        self.visual_encoder = _build_vit(self._cfg["vision"])
+        self.visual_encoder = build_vit(self._cfg["vision"])
         vision_width = int(self.visual_encoder.embed_dim)
-        self.text_encoder = _TextEncoder(c, self.text_layers, self.fusion_layers, vision_width)
-        _init_bert(self.text_encoder, c["initializer_range"])
+        self.text_encoder = TextEncoder(c, self.text_layers, self.fusion_layers, vision_width)
+        init_bert(self.text_encoder, c["initializer_range"])
         self.vision_proj = nn.Linear(vision_width, self.embed_dim)
         self.text_proj = nn.Linear(c["hidden_size"], self.embed_dim)
         scale = torch.tensor(1.0 / self._cfg["temperature"])
@@ -415,7 +120,7 @@ class FusionModel(VLModel):
         self.register_buffer("_word_ids", torch.tensor(words, dtype=torch.long), persistent=False)
 
     @property
-    def bert(self) -> _Bert:
+    def bert(self) -> BertModel:
         return self.text_encoder.bert
 
     def towers(self) -> dict[str, tuple[str, ...]]:
@@ -648,10 +353,8 @@ class FusionModel(VLModel):
     def load_pretrained(self, path: str | Path) -> None:
         """Full-model weights: a cvl model file or an ALBEF/CTP checkpoint (extra keys such as
         the momentum encoders, queues or ITM head are ignored; every model key must be present)."""
-        from cvl.models import _is_cvl_checkpoint, load_weights
-
         p = Path(path)
-        if _is_cvl_checkpoint(p):
+        if is_cvl_checkpoint(p):
             load_weights(self, p)
         else:
             sd = _read_state_dict(p)

@@ -26,6 +26,9 @@ start less).
 
 Local images (sources whose files are already on disk) skip img2dataset but go through the same
 img2dataset `Resizer`, so a stream gets the same image processing whatever the origin.
+
+Where the parts live: the image options and the local resizer in `resize.py`, the watched
+img2dataset child in `img2dataset_run.py` (both re-exported here); this module is the cache.
 """
 
 from __future__ import annotations
@@ -35,95 +38,34 @@ import fcntl
 import json
 import math
 import os
-import signal
-import subprocess
 import sys
 import tarfile
-import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cvl.data.images import MAX_PIXELS, ImageTooLarge, open_image
 from cvl.errors import CvlError
 from cvl.io import read_json, write_json
+from cvl.streams.img2dataset_run import (  # noqa: F401  (re-exported: their home was this module)
+    DISTRIBUTORS,
+    DownloadOptions,
+    child_main,
+    done_shards,
+    run_img2dataset,
+)
+from cvl.streams.resize import (  # noqa: F401  (re-exported: their home was this module)
+    CHILD_ENV,
+    RESIZE_MODES,
+    TOO_LARGE,
+    ImageOptions,
+    process_bytes,
+    process_local,
+    short_error,
+)
 
-RESIZE_MODES = ("no", "keep_ratio", "center_crop", "border", "keep_ratio_largest")
-DISTRIBUTORS = ("multiprocessing", "pyspark", "ray")
 STATUSES = ("success", "failed_to_download", "failed_to_resize")
-TOO_LARGE = "too_large"  # the error (and drop reason) of an image past MAX_PIXELS
-# img2dataset imports albumentations, which otherwise checks PyPI for updates at import time.
-# OpenCV (img2dataset's decoder) refuses images past cvl's pixel limit, read at its import.
-CHILD_ENV = {
-    "NO_ALBUMENTATIONS_UPDATE": "1",
-    "WANDB_MODE": "disabled",
-    "WANDB_SILENT": "true",
-    "OPENCV_IO_MAX_IMAGE_PIXELS": str(MAX_PIXELS),
-}
-
-
-@dataclass(frozen=True)
-class ImageOptions:
-    """How images are resized and encoded (img2dataset's Resizer options); part of the cache key."""
-
-    image_size: int = 256
-    resize_mode: str = "keep_ratio"
-    resize_only_if_bigger: bool = True
-    encode_quality: int = 95
-    min_image_size: int = 0
-    max_aspect_ratio: float = float("inf")
-
-    def __post_init__(self) -> None:
-        if self.resize_mode not in RESIZE_MODES:
-            raise CvlError(f"--resize-mode must be one of {', '.join(RESIZE_MODES)}")
-        if self.image_size <= 0:
-            raise CvlError("--image-size must be positive")
-        if not 0 <= self.encode_quality <= 100:
-            raise CvlError("--encode-quality must be in 0..100")
-
-    def img2dataset_kwargs(self) -> dict[str, Any]:
-        return {
-            "image_size": self.image_size,
-            "resize_mode": self.resize_mode,
-            "resize_only_if_bigger": self.resize_only_if_bigger,
-            "encode_quality": self.encode_quality,
-            "encode_format": "jpg",
-            "min_image_size": self.min_image_size,
-            "max_aspect_ratio": self.max_aspect_ratio,
-        }
-
-    def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        if math.isinf(d["max_aspect_ratio"]):
-            d["max_aspect_ratio"] = None
-        return d
-
-
-@dataclass(frozen=True)
-class DownloadOptions:
-    """How img2dataset fetches (does not change the image bytes; not part of the cache key)."""
-
-    processes: int = 1
-    threads: int = 32
-    timeout: float = 10.0
-    retries: int = 0
-    distributor: str = "multiprocessing"
-    shard_size: int = 10000
-    retry_failed: bool = True
-    user_agent_token: str | None = None
-    exit_grace: float = 30.0
-    stall_timeout: float = 900.0
-
-    def __post_init__(self) -> None:
-        if self.distributor not in DISTRIBUTORS:
-            raise CvlError(f"--distributor must be one of {', '.join(DISTRIBUTORS)}")
-        for name in ("processes", "threads", "shard_size"):
-            if getattr(self, name) <= 0:
-                raise CvlError(f"--{name.replace('_', '-')} must be positive")
-        if self.timeout <= 0:
-            raise CvlError("--timeout must be positive")
 
 
 @dataclass(frozen=True)
@@ -160,14 +102,6 @@ class FetchStats:
             "errors": dict(self.errors.most_common(50)),
             "img2dataset_runs": self.runs,
         }
-
-
-def short_error(msg: str | None) -> str:
-    """A compact, countable error message (img2dataset's are already short; trim the rest)."""
-    if not msg:
-        return "unknown error"
-    msg = " ".join(str(msg).split())
-    return msg if len(msg) <= 120 else msg[:117] + "..."
 
 
 # -- the cache ---------------------------------------------------------------------------------
@@ -221,7 +155,7 @@ class DownloadCache:
     @staticmethod
     def done_shards(batch: Path) -> list[str]:
         """Shard names (e.g. '00000') of a batch whose _stats.json exists."""
-        return sorted(p.name[: -len("_stats.json")] for p in batch.glob("*_stats.json"))
+        return done_shards(batch)
 
     def index(self, batches: list[Path] | None = None) -> dict[str, Record]:
         """URL -> Record over all done shards; a success is never replaced by a later failure."""
@@ -442,7 +376,7 @@ def _remove_unfinished(batch: Path) -> None:
     """Delete shard files without _stats.json (a killed run) and img2dataset's _tmp folder."""
     if not batch.is_dir():
         return
-    done = set(DownloadCache.done_shards(batch))
+    done = set(done_shards(batch))
     for p in batch.iterdir():
         if p.is_file() and p.suffix in (".tar", ".parquet") and p.stem not in done:
             with contextlib.suppress(OSError):
@@ -454,210 +388,5 @@ def _remove_unfinished(batch: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-# -- the watched child process -------------------------------------------------------------------
-def _kill_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, sig)
-        try:
-            proc.wait(timeout=grace)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-def _folder_activity(folder: Path) -> tuple[int, int]:
-    """(number of files, total bytes) under a folder: changes while img2dataset works."""
-    n = size = 0
-    if folder.is_dir():
-        for root, _, files in os.walk(folder):
-            for f in files:
-                n += 1
-                with contextlib.suppress(OSError):
-                    size += os.path.getsize(os.path.join(root, f))
-    return n, size
-
-
-def run_img2dataset(
-    config_path: Path,
-    batch: Path,
-    log_path: Path,
-    expected_shards: int,
-    opts: DownloadOptions,
-    progress: bool = True,
-    command: list[str] | None = None,
-    poll: float = 0.25,
-) -> dict[str, Any]:
-    """Run img2dataset on `config_path` in a child process group under the watchdog.
-
-    Returns {"seconds", "returncode", "watchdog"} (watchdog: why the child was killed, if it
-    was). Raises CvlError when the child fails before finishing any shard.
-    """
-    from cvl.progress import progress_bar
-
-    cmd = [*(command or [sys.executable, "-m", "cvl.streams.download"]), str(config_path)]
-    env = {**os.environ, **CHILD_ENV}
-    t0 = time.monotonic()
-    watchdog = None
-    with open(log_path, "ab") as logf:
-        proc = subprocess.Popen(
-            cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-        bar = progress_bar(
-            total=expected_shards,
-            desc="img2dataset",
-            unit="shard",
-            show=progress,
-            leave=False,
-        )
-        last_activity, last_change = None, time.monotonic()
-        all_done_at = None
-        try:
-            while proc.poll() is None:
-                time.sleep(poll)
-                done = len(DownloadCache.done_shards(batch)) if batch.is_dir() else 0
-                if min(done, expected_shards) != bar.n:
-                    bar.update(min(done, expected_shards) - bar.n)
-                act = (done, *_folder_activity(batch))
-                now = time.monotonic()
-                if act != last_activity:
-                    last_activity, last_change = act, now
-                if done >= expected_shards:
-                    all_done_at = all_done_at or now
-                    if now - all_done_at > opts.exit_grace:
-                        watchdog = (
-                            f"killed: all {expected_shards} shard(s) done but img2dataset did not "
-                            f"exit within {opts.exit_grace:g}s"
-                        )
-                        break
-                elif now - last_change > opts.stall_timeout:
-                    watchdog = f"killed: no progress for {opts.stall_timeout:g}s"
-                    break
-        except BaseException:
-            _kill_group(proc)
-            raise
-        finally:
-            bar.close()
-        if watchdog:
-            _kill_group(proc)  # the child is alive here: its process group is ours
-    rc = proc.returncode
-    seconds = round(time.monotonic() - t0, 2)
-    done = len(DownloadCache.done_shards(batch)) if batch.is_dir() else 0
-    if not watchdog and rc not in (0, None) and done == 0:
-        tail = _tail(log_path)
-        raise CvlError(
-            f"img2dataset failed (exit {rc}) before finishing a shard; log {log_path}: {tail}"
-        )
-    return {"seconds": seconds, "returncode": rc, "watchdog": watchdog}
-
-
-def _tail(path: Path, n: int = 3) -> str:
-    try:
-        lines = [x for x in path.read_text(errors="replace").splitlines() if x.strip()]
-    except OSError:
-        return ""
-    return " | ".join(lines[-n:])
-
-
-def _inline_distributor(processes_count, downloader, reader, subjob_size, max_shard_retry):  # noqa: ANN001
-    """img2dataset's multiprocessing distributor without the pool, for processes_count == 1."""
-    failed = [row for row in reader if not downloader(row)[0]]
-    for _ in range(max_shard_retry):
-        if not failed:
-            break
-        failed = [row for row in failed if not downloader(row)[0]]
-
-
-class _QuietLogger:
-    """Stands in for img2dataset's spawned LoggerProcess in one-process runs."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.done_shards: set = set()
-
-    def start(self) -> None:
-        pass
-
-    def join(self, timeout: float | None = None) -> None:
-        pass
-
-    def terminate(self) -> None:
-        pass
-
-
-def _child_main(config_path: str) -> int:
-    """Entry point of the img2dataset child process."""
-    for k, v in CHILD_ENV.items():
-        os.environ.setdefault(k, v)
-    cfg = json.loads(Path(config_path).read_text())
-    import img2dataset  # noqa: F401  (its __init__ shadows the `main` submodule with a function)
-
-    i2d = sys.modules["img2dataset.main"]
-
-    one = cfg.get("processes_count", 1) == 1
-    if (
-        one
-        and cfg.get("distributor", "multiprocessing") == "multiprocessing"
-        and all(hasattr(i2d, a) for a in ("multiprocessing_distributor", "LoggerProcess"))
-    ):
-        # one process: no spawn pool and no spawned logger (each would import img2dataset,
-        # torch included, again); progress comes from the _stats.json files instead
-        i2d.multiprocessing_distributor = _inline_distributor
-        i2d.LoggerProcess = _QuietLogger
-    i2d.download(**cfg)
-    return 0
-
-
-# -- local images --------------------------------------------------------------------------------
-_RESIZER: dict[str, Any] = {}
-
-
-def _resizer(image: ImageOptions):  # noqa: ANN202
-    key = json.dumps(image.to_json(), sort_keys=True)
-    r = _RESIZER.get(key)
-    if r is None:
-        for k, v in CHILD_ENV.items():
-            os.environ.setdefault(k, v)
-        import warnings
-
-        with warnings.catch_warnings():  # img2dataset imports the deprecated imghdr module
-            warnings.simplefilter("ignore", DeprecationWarning)
-            from img2dataset.resizer import Resizer
-
-        kw = image.img2dataset_kwargs()
-        r = _RESIZER[key] = Resizer(**kw)
-    return r
-
-
-def process_local(path: str, image: ImageOptions) -> tuple[bytes | None, str | None]:
-    """Read a local image and resize/encode it like a downloaded one: (jpeg bytes, error)."""
-
-    try:
-        data = Path(path).read_bytes()
-    except OSError as e:
-        return None, f"cannot read image file: {e.strerror or e}"
-    if not data:
-        return None, "empty image file"
-    return process_bytes(data, image)
-
-
-def process_bytes(data: bytes, image: ImageOptions) -> tuple[bytes | None, str | None]:
-    """Resize/encode image bytes from an archive like a downloaded image: (jpeg bytes, error).
-
-    The header is checked against `MAX_PIXELS` first (error "too_large: ..."), so a
-    decompression bomb is refused before any pixel is decoded."""
-    import io
-
-    try:
-        open_image(data).close()
-    except ImageTooLarge as e:
-        return None, f"{TOO_LARGE}: {e}"
-    except Exception:  # noqa: BLE001 (not an image PIL knows: the resizer decides)
-        pass
-    img, _, _, _, _, err = _resizer(image)(io.BytesIO(data))
-    if err is not None or img is None:
-        return None, short_error(err or "image decoding error")
-    return img, None
-
-
 if __name__ == "__main__":
-    sys.exit(_child_main(sys.argv[1]))
+    sys.exit(child_main(sys.argv[1]))

@@ -27,7 +27,14 @@ import numpy as np
 from cvl.checks import NON_NEGATIVE_INT, POSITIVE_INT, SEED
 from cvl.errors import CvlError
 from cvl.io import atomic_dir
-from cvl.streams.synthetic import SIZES, SS, SynthSpec, plan_sample, render_sample, task_domains
+from cvl.streams.synthetic_draw import (
+    SIZES,
+    SS,
+    SynthSpec,
+    plan_sample,
+    render_sample,
+    task_domains,
+)
 from cvl.streams.writer import encode_jpeg
 
 PRETRAIN = "pretrain"

@@ -34,13 +34,13 @@ from cvl.errors import CvlError
 from cvl.io import atomic_dir
 from cvl.streams.manifest import EvalSet, Manifest, ShardSet, TaskInfo, save_manifest
 from cvl.streams.pipeline import task_folders, time_counts
-from cvl.streams.synthetic import (
+from cvl.streams.synthetic_draw import (
     CHAINED_STYLES,
     SHAPES,
     TINTS,
     SynthSpec,
-    _encoded,
-    _pool,
+    drawing_pool,
+    encoded_sample,
     plan_sample,
 )
 from cvl.streams.timesplit import time_layout
@@ -175,8 +175,13 @@ def build_synthetic_time(
     report = BuildReport()
     sets: dict[tuple[str, str, str | None], ShardSet] = {}
     total = sum(u[3] for u in units)
-    with atomic_dir(out, overwrite=overwrite, kind="stream") as tmp, _pool(processes) as pool:
-        results = pool.imap(_encoded, jobs(), chunksize=16) if pool else map(_encoded, jobs())
+    with (
+        atomic_dir(out, overwrite=overwrite, kind="stream") as tmp,
+        drawing_pool(processes) as pool,
+    ):
+        results = (
+            pool.imap(encoded_sample, jobs(), chunksize=16) if pool else map(encoded_sample, jobs())
+        )
         bar = tqdm(total=total, desc="synthetic (time)", unit="img", disable=not progress)
         for split, task, period, n, idx, _ in units:
             rel = f"train/{folder[task]}" if split == "train" else f"eval/{split}/{folder[task]}"

@@ -43,7 +43,9 @@ import numpy as np
 
 from cvl.errors import CvlError
 from cvl.streams.manifest import Benchmark, ShardSet
-from cvl.streams.pipeline import Dropper, Row, SplitRule
+from cvl.streams.rows import Dropper, Row
+from cvl.streams.splitrules import SplitRule
+from cvl.streams.tablefiles import load_json
 
 UNITS = ("year", "quarter", "month")
 FORMATS = ("auto", "iso", "epoch", "epoch_ms")
@@ -195,8 +197,6 @@ def load_eval_ids(path: str) -> set[str]:
     """Ids of the held-out retrieval pairs: a JSON list, or an object of lists (TiC's
     ``{year: [uid, ...]}``: the keys are only informative, each pair's period is its date)."""
     from pathlib import Path
-
-    from cvl.streams.table import load_json
 
     p = Path(path)
     if not p.is_file():

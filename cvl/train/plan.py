@@ -21,7 +21,9 @@ from typing import Any
 
 import torch
 
+from cvl.device import fork_rng
 from cvl.errors import CvlError
+from cvl.train.budgetspec import parse_budget, task_share
 
 BN_MESSAGE = "Expected more than 1 value per channel"  # torch's BatchNorm batch-size error
 
@@ -146,8 +148,6 @@ def _check_samples_budget(
     """`--budget samples=N` is known before training: a task whose share is less than one
     optimizer step's samples would train a step it cannot pay for (the loop's minimum of one
     step), so the budget is refused. (tflops / maf are measured per task by the loop.)"""
-    from cvl.train.budget import parse_budget, task_share
-
     b = parse_budget(cfg.budget)
     if b is None or b.kind != "samples":
         return
@@ -188,10 +188,8 @@ def needs_two_rows(model: torch.nn.Module, device: torch.device) -> bool:
     saved = {id(m): [b.detach().clone() for b in m.buffers()] for m in bns}
     size = getattr(model, "image_size", 224)
     tokens = model.tokenizer(["a"]).to(device)
-    from cvl.train.budget import _fork_rng
-
     try:
-        with torch.no_grad(), _fork_rng(device):
+        with torch.no_grad(), fork_rng(device):
             model(torch.zeros(1, 3, size, size, device=device), tokens)
         return False
     except ValueError as e:

@@ -254,7 +254,7 @@ def stream_plan(trainer: Any, indices: Sequence[int]) -> tuple[float, ...]:
     from dataclasses import replace
 
     from cvl.methods.base import TaskContext
-    from cvl.train.budget import task_share
+    from cvl.train.budgetspec import task_share
 
     cfg, order = trainer.cfg, list(trainer.manifest.task_order)
     single = getattr(trainer.method, "single_task", False)

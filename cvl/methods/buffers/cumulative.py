@@ -28,7 +28,7 @@ import os
 from typing import Any
 
 from cvl.data.reader import Entry
-from cvl.methods.buffers import Buffer, register_buffer
+from cvl.methods.buffers.base import Buffer, register_buffer
 from cvl.methods.buffers.ring import QuotaBuffer
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from cvl.data.reader import Entry
-from cvl.methods.buffers import Buffer, quotas_by_size, register_buffer
+from cvl.methods.buffers.base import Buffer, quotas_by_size, register_buffer
 
 
 def herding_order(feats: np.ndarray, k: int) -> list[int]:

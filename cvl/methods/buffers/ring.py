@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from cvl.data.reader import Entry
-from cvl.methods.buffers import Buffer, register_buffer
+from cvl.methods.buffers.base import Buffer, register_buffer
 
 
 class QuotaBuffer(Buffer):

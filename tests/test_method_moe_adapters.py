@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file
-from train_helpers import FAST, train_run
+from train_helpers import FAST, assert_same_task_weights, interrupt_then_resume, train_run
 
 from cvl.errors import CvlError
 from cvl.methods import moe_layers as ml
@@ -226,3 +226,23 @@ def test_trains_and_freezes_through_the_loop(synth_stream, tmp_path):
     up = f"clip.visual.transformer.resblocks.0.moe.experts.{e}.up.weight"
     assert torch.equal(w[0][up], w[-1][up])
     assert all(float(x["moe_state.ddas.image.threshold"]) > 0 for x in w)
+
+
+def test_resume_inside_task_two_is_bitwise_on_both_towers(synth_stream, tmp_path, monkeypatch):
+    """Interrupted in step 3 of task 1 (resumed from step 2) (counts, frozen experts, thresholds and routers in
+    the checkpoint), the resumed run saves the same weights as an uninterrupted one."""
+    kw = dict(
+        method="moe_adapters",
+        model_config="tiny-vit",
+        method_args=SMALL,
+        checkpoint_every=1,
+        max_steps_per_task=4,
+    )
+
+    def train(out):
+        train_run(synth_stream, out, FAST, **kw)
+
+    train(tmp_path / "a")
+    pos = interrupt_then_resume(train, MoEAdapters, tmp_path / "b", monkeypatch, task=1)
+    assert pos["step"] == 2
+    assert_same_task_weights(tmp_path / "a", tmp_path / "b")

@@ -141,7 +141,7 @@ class MoEAdapter(nn.Module):
                 u = self._draw(shape, x.shape[0], 1 + e, x.device)  # all rows: ranks agree
                 mask = (torch.special.ndtr(u) >= self.dropout)[rows]
             out = expert(x[rows], mask)
-            y = y.index_add(0, rows, out * g[rows, e, None, None])
+            y = y.index_add(0, rows, (out * g[rows, e, None, None]).to(y.dtype))
         return y
 
 

@@ -33,8 +33,8 @@ METHOD_EXTRA: dict[str, list[str]] = {
     "zscl": ["--method-arg", "ref_stream={stream}"],  # the reference set: the stream itself
     "cclip": ["--tune", "lora"],  # a LoRA per task (the method requires it)
     "lora_per_task": ["--tune", "lora"],
-    # the code's 22 experts of bottleneck 64 scaled to the tiny model (its text tower: the
-    # ResNet image tower has no blocks; tests/test_method_moe_adapters.py covers the ViT's)
+    # the code's 22 experts of bottleneck 64 scaled down (the ResNet `tiny` adapts its text
+    # tower only; test_distributed's tiny-vit and test_method_moe_adapters.py both towers)
     "moe_adapters": ["--method-arg", "experts=4", "--method-arg", "bottleneck=8"],
 }
 

@@ -71,6 +71,12 @@ Where cvl differs or the source is silent (each an argument where it matters):
   router and autoencoder too.
 - Router noise and adapter dropout are drawn per step for the global batch from the loop's
   generator, so N processes train as one; the choice counts are summed over ranks each step.
+- Every expert runs on every row and is weighted by its gate (0 outside the row's top k): the
+  code's sparse dispatch gives the same output, but selecting rows needs the gates on the
+  host (a GPU sync per block). The cost is E adapters per token instead of k (for ViT-B/16
+  with E = 22, r = 64: about 0.45× the MLP's FLOPs), and an expert that no row of a step
+  chose gets a zero gradient rather than none, so AdamW's moments still move it a little
+  (in the code it is skipped that step).
 
 Deployed model: every checkpoint holds the adapters, routers, autoencoders, thresholds and
 the number of trained tasks (model tensors; run.json's model config records the layout), so
@@ -183,7 +189,7 @@ class MoEAdapters(Method):
                 p.requires_grad_(True)
 
     def before_step(self, ctx: TaskContext) -> None:
-        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=ctx.generator))
+        seed = ctx.generator.initial_seed()  # re-seeded every step, the same on all ranks
         for m in self._layers(ctx.model):
             m.seed = seed
 

@@ -67,9 +67,10 @@ def top_k_gates(
 class MoEAdapter(nn.Module):
     """E experts and one router (w_gate, w_noise ∈ R^{d×E}, zero-initialised) per task.
 
-    `forward(x, routes)`: x [B, L, d] (batch first), routes [B] (a task index per row, −1:
-    no adapter, the zero-shot block). Each row's router reads its first token; its output is
-    Σ_e g_e · expert_e(x) over the whole sequence (the source's `SparseDispatcher`).
+    `forward(x)` with `routes` set (`routed`): x [B, L, d] (batch first), routes [B] (a task
+    index per row, −1: no adapter, the zero-shot block). Each row's router reads its first
+    token; its output is Σ_e g_e · expert_e(x) over the whole sequence (the source's
+    `SparseDispatcher.combine`; computed densely, see `cvl.methods.moe_adapters`).
     `counts` accumulates, in training, how often each expert was among a row's top k (the
     source's `choose_map`); `frozen` marks experts frozen after an earlier task (model state).
     """
@@ -123,25 +124,19 @@ class MoEAdapter(nn.Module):
         routes = self.routes
         if routes is None:
             raise CvlError("MoE adapters ran without routes (call through `routed`)")
-        y = torch.zeros_like(x)
-        on = routes >= 0
-        if not bool(on.any()):
-            return y
-        g = self.gates(x[:, 0], routes) * on[:, None].to(x.dtype)
+        g = self.gates(x[:, 0], routes) * (routes >= 0)[:, None].to(x.dtype)
         if self.training:
             with torch.no_grad():
                 self.pending = self.pending.to(g.device) + (g > 0).sum(0).to(torch.float64)
+        # every expert on every row, weighted by its gate (0 off the row's top k): the same
+        # sum as the code's sparse dispatch, without reading the gates back to the host
+        y = torch.zeros_like(x)
         for e, expert in enumerate(self.experts):
-            rows = torch.nonzero(g[:, e] > 0).flatten()
-            if rows.numel() == 0:
-                continue
             mask = None
             if self.training and self.dropout > 0:
-                shape = (x.shape[1], expert.down.out_features)
-                u = self._draw(shape, x.shape[0], 1 + e, x.device)  # all rows: ranks agree
-                mask = (torch.special.ndtr(u) >= self.dropout)[rows]
-            out = expert(x[rows], mask)
-            y = y.index_add(0, rows, (out * g[rows, e, None, None]).to(y.dtype))
+                u = self._draw((x.shape[1], expert.down.out_features), x.shape[0], 1 + e, x.device)
+                mask = torch.special.ndtr(u) >= self.dropout
+            y = y + (g[:, e, None, None] * expert(x, mask)).to(y.dtype)
         return y
 
 

@@ -246,3 +246,23 @@ def test_resume_inside_task_two_is_bitwise_on_both_towers(synth_stream, tmp_path
     pos = interrupt_then_resume(train, MoEAdapters, tmp_path / "b", monkeypatch, task=1)
     assert pos["step"] == 2
     assert_same_task_weights(tmp_path / "a", tmp_path / "b")
+
+
+def test_resnet_tower_keeps_its_batchnorm_statistics(synth_stream, tmp_path):
+    """On the ResNet `tiny` (text tower adapted) every CLIP tensor — BatchNorm running
+    statistics included — stays the start's, so route −1 is exactly the zero-shot model."""
+    run = tmp_path / "r"
+    train_run(
+        synth_stream,
+        run,
+        {**FAST, "max_steps_per_task": 2},
+        method="moe_adapters",
+        method_args=SMALL,
+    )
+    init = load_file(str(run / "init" / MODEL_FILE))
+    last = load_file(str(finished_tasks(run)[-1].model_path))
+    assert any("running_mean" in k for k in init)
+    for k, v in init.items():
+        if ".moe." not in k and not k.startswith("moe_state"):
+            assert torch.equal(v, last[k]), k
+    assert not any(k.startswith("clip.visual") and ".moe." in k for k in last)

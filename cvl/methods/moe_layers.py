@@ -231,7 +231,8 @@ def adapted_towers(model: nn.Module, towers: str) -> list[str]:
 
 def attach(model: nn.Module, spec: dict[str, Any]) -> nn.Module:
     """Add the mixture to every transformer block of the chosen towers and DDAS to the model;
-    the model's config records `spec`, so `model_from_config` rebuilds the same layers."""
+    the model's config records `spec`, so `model_from_config` rebuilds the same layers. The
+    BatchNorm layers (a ResNet tower's) keep their running statistics, as every CLIP weight."""
     if getattr(model, "kind", None) != "clip":
         raise CvlError("method 'moe_adapters' needs --model clip (open_clip transformer blocks)")
     if hasattr(model, "moe_state"):
@@ -247,6 +248,12 @@ def attach(model: nn.Module, spec: dict[str, Any]) -> nn.Module:
             b.moe = MoEAdapter(int(b.ln_2.normalized_shape[0]), spec)
             b.moe.salt = 1000 * (w == "text") + j
             b.__class__ = _moe_block_class(type(b))
+    from cvl.models.tune import _eval_mode
+
+    for mod in model.modules():  # CLIP stays the start model: BatchNorm statistics too
+        if isinstance(mod, nn.modules.batchnorm._BatchNorm):
+            if _eval_mode not in mod._forward_pre_hooks.values():
+                mod.register_forward_pre_hook(_eval_mode)
     model.moe_state = MoEState(int(model.embed_dim), spec, towers)
     model.moe_spec = dict(spec)
     model.__class__ = _moe_model_class(type(model))

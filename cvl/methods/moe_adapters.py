@@ -161,8 +161,13 @@ class MoEAdapters(Method):
         return {**{k: self.args[k] for k in keys}, "towers": self.args["towers"], "tasks": n_tasks}
 
     def prepare_model(self, model: Any, manifest: Any) -> Any:
-        """Before run.json and init/ are written: the layers become part of the model."""
-        return ml.attach(model, self.spec(len(manifest.task_order)))
+        """Before run.json and init/ are written: the layers become part of the model, and
+        CLIP's own parameters are frozen (run.json's `tuning` counts what can train)."""
+        model = ml.attach(model, self.spec(len(manifest.task_order)))
+        for n, p in model.named_parameters():
+            if ".moe." not in n and not n.startswith("moe_state."):
+                p.requires_grad_(False)
+        return model
 
     def _layers(self, model: Any) -> list[ml.MoEAdapter]:
         return [m for w in model.moe_state.ddas for m in ml.moe_layers(model, w)]

@@ -24,7 +24,7 @@ shared by the tasks. The code computes Shazeer's load-balancing loss (cv²(impor
 cv²(load), × 1e-2) into a local variable and never adds it to the objective; it is not built.
 
 **What trains** (`mtil/src/models/finetune.py` `finetune`): only experts and routers (every
-CLIP weight is frozen); in task t the router of task t (the other routers get no gradient:
+CLIP weight is frozen; so are a ResNet tower's BatchNorm statistics: route −1 is the start); in task t the router of task t (the other routers get no gradient:
 they are not used) and every expert not frozen. After each task, for each block of each tower
 the `freeze_top` = 2 experts the task's rows chose most often (`choose_map`, counted per row
 among its top k over the task's training) are added to the frozen list (`frozen_list_*`

@@ -199,18 +199,16 @@ def test_refusals(synth_stream, tmp_path):
         train_run(synth_stream, tmp_path / "x", FAST, method="moe_adapters", tune="lora")
 
 
+def _train(stream, run, steps: int, **kw) -> None:
+    over = {"method_args": SMALL, **kw}
+    train_run(stream, run, {**FAST, "max_steps_per_task": steps}, method="moe_adapters", **over)
+
+
 def test_trains_and_freezes_through_the_loop(synth_stream, tmp_path):
     """Three tasks on the tiny ViT: CLIP's weights never change, the routers of later tasks
     are still zero after task 0, experts frozen after a task keep their weights."""
     run = tmp_path / "r"
-    train_run(
-        synth_stream,
-        run,
-        {**FAST, "max_steps_per_task": 3},
-        method="moe_adapters",
-        model_config="tiny-vit",
-        method_args={**SMALL, "freeze_top": 1},
-    )
+    _train(synth_stream, run, 3, model_config="tiny-vit", method_args={**SMALL, "freeze_top": 1})
     done = finished_tasks(run)
     w = [load_file(str(d.model_path)) for d in done]
     init = load_file(str(run / "init" / MODEL_FILE))
@@ -252,13 +250,7 @@ def test_resnet_tower_keeps_its_batchnorm_statistics(synth_stream, tmp_path):
     """On the ResNet `tiny` (text tower adapted) every CLIP tensor — BatchNorm running
     statistics included — stays the start's, so route −1 is exactly the zero-shot model."""
     run = tmp_path / "r"
-    train_run(
-        synth_stream,
-        run,
-        {**FAST, "max_steps_per_task": 2},
-        method="moe_adapters",
-        method_args=SMALL,
-    )
+    _train(synth_stream, run, 2)
     init = load_file(str(run / "init" / MODEL_FILE))
     last = load_file(str(finished_tasks(run)[-1].model_path))
     assert any("running_mean" in k for k in init)

@@ -195,6 +195,8 @@ def test_refusals(synth_stream, tmp_path):
         MoEAdapters({"towers": "fusion"})
     with pytest.raises(CvlError, match="ResNet"):
         _model("tiny", towers="image")
+    with pytest.raises(CvlError, match="grad-checkpointing"):
+        _train(synth_stream, tmp_path / "g", 1, model_config="tiny-vit", grad_checkpointing=True)
     with pytest.raises(CvlError, match="--tune full"):
         train_run(synth_stream, tmp_path / "x", FAST, method="moe_adapters", tune="lora")
 

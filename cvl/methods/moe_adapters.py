@@ -163,6 +163,15 @@ class MoEAdapters(Method):
     def prepare_model(self, model: Any, manifest: Any) -> Any:
         """Before run.json and init/ are written: the layers become part of the model, and
         CLIP's own parameters are frozen (run.json's `tuning` counts what can train)."""
+        blocks = [
+            getattr(model.clip, "transformer", None),
+            getattr(model.clip.visual, "transformer", None),
+        ]
+        if any(getattr(t, "grad_checkpointing", False) for t in blocks):
+            raise CvlError(
+                "method 'moe_adapters' does not combine with --grad-checkpointing (the recomputed "
+                "blocks would count their experts' choices twice)"
+            )
         model = ml.attach(model, self.spec(len(manifest.task_order)))
         for n, p in model.named_parameters():
             if ".moe." not in n and not n.startswith("moe_state."):

@@ -115,11 +115,11 @@ class RunFolder:
 
             start = str(init_weights_file(cfg.init_run))
         self.model = build_model(cfg.model, cfg.model_config, pretrained=start)
+        if cfg.grad_checkpointing:
+            self.model.set_grad_checkpointing(True)
         prepare = getattr(self.method, "prepare_model", None)
         if prepare is not None:  # layers a method adds (MoE-Adapters): in run.json and init/
             self.model = prepare(self.model, self.manifest)
-        if cfg.grad_checkpointing:
-            self.model.set_grad_checkpointing(True)
         self._sync_batchnorm()
         self.model.to(self.acc.device)
         broadcast_module(self.model)

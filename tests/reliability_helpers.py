@@ -33,6 +33,9 @@ METHOD_EXTRA: dict[str, list[str]] = {
     "zscl": ["--method-arg", "ref_stream={stream}"],  # the reference set: the stream itself
     "cclip": ["--tune", "lora"],  # a LoRA per task (the method requires it)
     "lora_per_task": ["--tune", "lora"],
+    # the code's 22 experts of bottleneck 64 scaled down (the ResNet `tiny` adapts its text
+    # tower only; test_distributed's tiny-vit and test_method_moe_adapters.py both towers)
+    "moe_adapters": ["--method-arg", "experts=4", "--method-arg", "bottleneck=8"],
 }
 
 
@@ -78,6 +81,7 @@ FAMILIES = {
     "wise": "a merge wrapper (weights replaced after the task)",
     "ties": "task vectors from the initial weights (every task restarts)",
     "opcm": "a merge state beyond task vectors (the projected running sum)",
+    "moe_adapters": "layers added to the model (run.json's model config), per-step noise",
     "cclip": "required adapters, a projector",
 }
 

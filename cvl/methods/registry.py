@@ -48,6 +48,7 @@ METHOD_MODULES = [
     "cvl.methods.opcm",
     "cvl.methods.cclip",
     "cvl.methods.lora_per_task",
+    "cvl.methods.moe_adapters",
 ]
 
 

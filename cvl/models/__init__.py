@@ -166,6 +166,12 @@ def model_from_config(cfg: dict[str, Any]) -> VLModel:
         raise CvlError(
             f"not a cvl model config (kind {kind!r}; expected one of {', '.join(KINDS)})"
         )
+    if cfg.get("moe_adapters"):  # a method's layers (cvl.methods.moe_layers), rebuilt too
+        from cvl.methods.moe_layers import CONFIG_KEY, attach
+
+        cfg = dict(cfg)
+        spec = cfg.pop(CONFIG_KEY)
+        return attach(model_from_config(cfg), spec)
     if cfg["kind"] == "clip":
         from cvl.models.clip import CLIPModel
 

@@ -117,6 +117,9 @@ class RunFolder:
         self.model = build_model(cfg.model, cfg.model_config, pretrained=start)
         if cfg.grad_checkpointing:
             self.model.set_grad_checkpointing(True)
+        prepare = getattr(self.method, "prepare_model", None)
+        if prepare is not None:  # layers a method adds (MoE-Adapters): in run.json and init/
+            self.model = prepare(self.model, self.manifest)
         self._sync_batchnorm()
         self.model.to(self.acc.device)
         broadcast_module(self.model)

@@ -12,7 +12,9 @@
 # Methods (ZSCL Table 1's rows as cvl has them): zeroshot, seqft (Continual-FT), lwf (logits
 # variant: ZSCL's LwF distils similarity logits), icarl (herding buffer, 10,000 images), wise
 # (WiSE-FT, alpha 0.8 as ZSCL's script), zscl (reference set: STREAMS/zscl-ref), the merges
-# (zs_merge ft_merge task_arith ties model_stock ema_merge) and seqft-lora (--tune lora).
+# (zs_merge ft_merge task_arith ties model_stock ema_merge ema_step) and seqft-lora (--tune lora); beyond
+# Table 1, issue 38's: magmax dare dare_ties breadcrumbs slerp tall_masks opcm best_in_time,
+# cclip and lora_per_task (--tune lora) and moe_adapters.
 # Training as the ZSCL code (recipes/configs/mtil.yaml): --base-loss class-ce (cross-entropy
 # over the current dataset's class texts, logit scale 100, label smoothing 0.2), batch 64,
 # AdamW lr 1e-5 (5e-5 for Aircraft and MNIST), no weight decay, 100 warm-up steps + cosine,
@@ -26,7 +28,7 @@
 # back by `cvl build-stream classification` as image folders; a tiny CLIP_0 trained with the
 # same objective on a pool of all their shapes drawn in mixed looks (standing in for OpenAI's
 # weights; the pool is also ZSCL's reference set), 6 steps per task (ZSCL's weight-ensemble
-# interval and EMA-merge's decay scaled to them); settings order1 by default, methods zeroshot
+# interval and the per-step EMA's decay scaled to them); settings order1 by default, methods zeroshot
 # seqft icarl zscl ties seqft-lora (--methods adds lwf, wise and the other merges).
 #   recipes/mtil.sh --smoke --out mtil-smoke
 # Bigger stand-in (environment): SMOKE_DATASETS (3), SMOKE_TRAIN / SMOKE_TEST images per class
@@ -38,8 +40,10 @@
 source "$(dirname "$0")/lib.sh"
 parse_args "$@"
 OUT=${OUT:-mtil-out}
-MERGES="zs_merge ft_merge task_arith ties model_stock ema_merge"
-ALL="zeroshot seqft lwf icarl wise zscl $MERGES seqft-lora"
+MERGES="zs_merge ft_merge task_arith ties model_stock ema_merge ema_step"
+# issue 38's merges and methods (not in ZSCL's Table 1; MoE-Adapters4CL reports MTIL)
+NEWER="magmax dare dare_ties breadcrumbs slerp tall_masks opcm best_in_time cclip lora_per_task moe_adapters"
+ALL="zeroshot seqft lwf icarl wise zscl $MERGES seqft-lora $NEWER"
 SMOKE_METHODS="zeroshot seqft icarl zscl ties seqft-lora"
 if [ "$SMOKE" = 1 ]; then
   METHODS=${METHODS:-$SMOKE_METHODS} SETTINGS=${SETTINGS:-order1}
@@ -54,7 +58,7 @@ ZSCL_WE="" EMA_DECAY=""
 if [ "$SMOKE" = 1 ]; then
   BUF=16 REF="$OUT/pretrain" S=${SMOKE_STEPS:-6}
   # per-step constants scaled to the smoke's S steps per task as to the code's 1,000: ZSCL's
-  # weight ensemble every S/10 steps (the code: every 100 of 1,000), EMA-merge's decay d with
+  # weight ensemble every S/10 steps (the code: every 100 of 1,000), ema_step's decay d with
   # d^S = 0.999^1000 (the share of the task it keeps)
   ZSCL_WE="--method-arg we_every=$(((S + 9) / 10))"
   EMA_DECAY="--method-arg decay=$(python3 -c "print(round(0.999 ** (1000 / $S), 4))")"
@@ -66,9 +70,12 @@ args_of() {  # $1 method, $2 setting
     icarl) echo "--method icarl --method-arg variant=logits --buffer mof --buffer-size $BUF" ;;
     wise) echo "--method wise --method-arg alpha=0.8" ;;
     zscl) echo "--method zscl --method-arg ref_stream=$REF $ZSCL_WE" ;;
-    ema_merge) echo "--method ema_merge $EMA_DECAY" ;;
-    zs_merge | ft_merge | task_arith | ties | model_stock) echo "--method $1" ;;
+    ema_step) echo "--method ema_step $EMA_DECAY" ;;  # the per-step EMA (decay per step)
+    zs_merge | ft_merge | ema_merge | task_arith | ties | model_stock) echo "--method $1" ;;
     seqft-lora) echo "--method seqft --tune lora" ;;
+    magmax | dare | dare_ties | breadcrumbs | slerp | tall_masks | opcm | best_in_time) echo "--method $1" ;;
+    moe_adapters) echo "--method moe_adapters" ;;
+    cclip | lora_per_task) echo "--method $1 --tune lora" ;;
     *) echo "error: unknown method '$1' for mtil.sh" >&2; exit 2 ;;
   esac
 }

@@ -42,7 +42,7 @@ BERT's `nn.Linear` weights, convolutions (`targets=conv`: ΔW = (B·A) reshaped,
 LoRA). peft (0.21) adapts the fused in-projection too (its `lora.MultiheadAttention`, or
 `target_parameters`) and equals this there, on Linear and on Conv2d (tests/test_tune_peft.py);
 it leaves the attention pool's directly read weights unadapted, refuses DoRA on attention and
-applies its MultiheadAttention's out-projection delta twice (README).
+applies its MultiheadAttention's out-projection delta twice (docs/methods.md).
 Targets: `linear` (every `nn.Linear` weight and MultiheadAttention in-projection), `attn` /
 `mlp` (those whose name contains `attn`/`attention`, or not), `conv`, or shell patterns over
 parameter names (`targets=*visual*in_proj_weight`); several joined with `+`. Tied weights

@@ -101,7 +101,7 @@ class Trainer(RunFolder, NonFiniteGuards):
                 f"accelerate config selects {kind}: not supported (cvl keeps a full replica per "
                 "process and averages gradients itself, so methods can run frozen copies and "
                 "sub-encoders); use a plain multi-GPU config with --precision bf16, "
-                "--grad-checkpointing and --grad-accum (README: Scaling up)"
+                "--grad-checkpointing and --grad-accum (docs/scaling.md)"
             )
         self.manifest: Manifest = load_manifest(cfg.stream)
         self.mixture = build_mixture(cfg)  # --mixture: each batch's shares (cvl.data.mixture)

@@ -12,6 +12,8 @@
 #   lwf                LwF on the similarity logits (TiC's LwF*: the old model's forward is
 #                      extra compute, shown in the TFLOPs column)
 #   wise               WiSE-FT interpolation with the previous step (as TiC's sequential Patching)
+#   magmax dare dare_ties breadcrumbs slerp tall_masks opcm best_in_time cclip lora_per_task
+#   moe_adapters       issue 38's merges and methods, each on the sequential policy
 # Full protocol (TiC-DataComp, 2014-2016 as the first step then one step a year to 2022, 7 steps,
 # 9 yearly retrieval sets): the stream STREAMS/tic-datacomp built as datasets/tic-datacomp.md
 # says, or built here from DATA/tic-datacomp/metadata.parquet (uid, url, caption, timestamp)
@@ -38,7 +40,9 @@ done
 source "$(dirname "$0")/lib.sh"
 parse_args ${args[@]+"${args[@]}"}
 OUT=${OUT:-tic-out}
-ALL="sequential cumulative-all cumulative-equal cumulative-exp oracle lwf wise"
+# issue 38's merges and methods on the time-ordered stream (the sequential policy, no buffer)
+NEWER="magmax dare dare_ties breadcrumbs slerp tall_masks opcm best_in_time cclip lora_per_task moe_adapters"
+ALL="sequential cumulative-all cumulative-equal cumulative-exp oracle lwf wise $NEWER"
 POLICIES="sequential cumulative-all cumulative-equal cumulative-exp oracle"
 [ "$SMOKE" = 1 ] && METHODS=${METHODS:-$POLICIES}  # the smoke: TiC's policies only (CI time)
 METHODS=${METHODS:-$ALL}
@@ -60,6 +64,8 @@ args_of() {
     oracle) echo "--method joint --method-arg cumulative=true --method-arg restart=true" ;;
     lwf) echo "--method lwf --method-arg variant=logits" ;;
     wise) echo "--method wise" ;;
+    cclip | lora_per_task) echo "--method $1 --tune lora" ;;
+    magmax | dare | dare_ties | breadcrumbs | slerp | tall_masks | opcm | best_in_time | moe_adapters) echo "--method $1" ;;
     *) echo "error: unknown method '$1' for tic.sh" >&2; exit 2 ;;
   esac
 }

@@ -302,3 +302,23 @@ def test_eval_on_cuda_records_the_device_and_ranks_as_the_cpu(run, tmp_path):
     t2i = torch.arange(1500) // 5
     on_cpu = retrieval_metrics(img, txt, t2i, block_elems=1 << 12)
     assert retrieval_metrics(img, txt, t2i, block_elems=1 << 12, device="cuda") == on_cpu
+
+
+def test_a_model_with_non_finite_features_is_refused_not_scored(synth_stream):
+    """A broken checkpoint (here a NaN in a weight; in practice, e.g., a merged BatchNorm
+    running_var < 0) gives NaN scores, and NaN comparisons would count every query as a hit
+    (100 %): the embedding pass refuses it in one line instead."""
+    from cvl.errors import CvlError
+    from cvl.evaluation.embed import embed_dataset, eval_dataset
+    from cvl.models import build_model
+    from cvl.streams.manifest import load_manifest
+
+    torch.manual_seed(0)
+    model = build_model("clip", "tiny")
+    m = load_manifest(synth_stream)
+    ds = eval_dataset(model, m.eval_shards("test", m.task_order[0]), check=False)
+    assert torch.isfinite(embed_dataset(model, ds, 32).image_features).all()
+    with torch.no_grad():
+        next(model.parameters()).view(-1)[0] = float("nan")
+    with pytest.raises(CvlError, match="features are not finite"):
+        embed_dataset(model, ds, 32)

@@ -230,6 +230,14 @@ def embed_dataset(
         _warn_left_out(ds)
     if not meta["id"]:
         raise CvlError(f"{ds.name or desc}: every sample failed to decode")
+    for what, f in (("image", feats["image"]), ("text", feats["text"])):
+        if not bool(torch.isfinite(f).all()):  # NaN scores would compare as hits: refuse
+            raise CvlError(
+                f"{ds.name or desc}: the model's {what} features are not finite (NaN or inf) "
+                f"for {int((~torch.isfinite(f)).any(-1).sum())} of {f.shape[0]} rows: its "
+                "weights or normalisation statistics (e.g. a BatchNorm running_var < 0 after a "
+                "merge) are broken; nothing was scored"
+            )
     counts = [len(c) if texts else 0 for c in meta["captions"]]
     if was_training:
         model.train()

@@ -14,8 +14,9 @@ Source: tanganke/fusion_bench, `fusion_bench/method/dare/` (`utils.py`, `param_r
 (`config/method/dare/task_arithmetic.yaml`: p = 0.5, λ = 0.3; `ties_merging.yaml`: p = 0.5,
 λ = 0.5, threshold 20 (top 20 %), merge_func `sum`), every tensor dropped
 (`only_on_linear_weights: false`; FusionBench drops `parameters()`, cvl every weight it
-merges, BatchNorm statistics included), rescaled. TIES's trim is cvl's `ties.trim_top_k` (the TIES
-authors' `topk_values_mask`, over the whole vector), its election and `sum`/`mean` aggregation
+merges; BatchNorm statistics are no task-vector entries: `cvl.methods.merging`, "Statistics"),
+rescaled. TIES's trim is cvl's `ties.trim_top_k` (the TIES authors' `topk_values_mask`, over
+the whole vector), its election and `sum`/`mean` aggregation
 `ties.ties_merge` (`agg`). FoMo-in-Flux's `DARETIES` differs (its random mask keeps the entries
 whose draw is ≥ the ⌊d·p⌋-th smallest draw over the flattened vector, and it drops *instead of*
 trimming, p = 0.2, disjoint mean); FusionBench's is followed here.

@@ -13,6 +13,15 @@ buffers (BatchNorm's batch counter) keep the trained model's value. `write_` and
 `interpolate_` change the weights in place; a model carrying adapters has them merged first
 and gets a zero delta after (it then computes exactly the written weights).
 
+**Statistics** (`statistics_names`: the floating buffers among the weights, e.g. BatchNorm's
+running mean and variance) are measurements of the data a model saw, not weights. The
+interpolation merges combine them like the weights (a convex combination: a valid variance);
+the task-vector merges (`TaskVectorMerge`, `opcm`, `model_stock`: `statistics = "mean"`) leave
+them out of the task vectors and deploy the mean of the statistics of the task models merged so
+far (θ̂_0..θ̂_t), since θ_0 + λ·f(τ) of a variance can be negative (DARE-TIES and TALL masks
+drove BatchNorm variances of the tiny ResNet CLIP below 0: NaN features). The sources merge ViTs
+(no BatchNorm) and are silent here; the mean is what a uniform soup of the task models deploys.
+
 **Merge operators** (`OPERATORS`, `merge_operator`): functions of a list of models (newest
 first) and the initial weights, returning merged weights, as FoMo-in-Flux keeps every merge
 behind one interface (`continual_lib/merge.py`: `BaseMerge.__call__(state_dicts,
@@ -71,6 +80,14 @@ def floating_state(model: nn.Module) -> Weights:
         for k, v in effective_state(model).items()
         if v.is_floating_point() and (keep is None or k in keep)
     }
+
+
+def statistics_names(model: nn.Module) -> frozenset[str]:
+    """Plain names of the weights (`floating_state`) that are buffers, not parameters: the
+    data statistics a model keeps (BatchNorm's running mean / variance), merged apart by the
+    task-vector merges (module doc)."""
+    buffers = {n for n, b in model.named_buffers() if b.is_floating_point()}
+    return frozenset(buffers & set(floating_state(model)))
 
 
 def clone_weights(w: Weights, device: torch.device | str | None = None) -> Weights:
@@ -218,6 +235,10 @@ class MergeMethod(Wrapper):
     init = "merged"
     merge_first_task = True
     keeps_previous = False
+    #: "merged": the statistics (`statistics_names`) go through `deploy` with the weights;
+    #: "mean": `deploy` sees the weights only and the statistics deployed are the mean of the
+    #: task models' (module doc)
+    statistics = "merged"
 
     def __init__(self, args: dict[str, Any] | None = None) -> None:
         super().__init__(args)
@@ -230,9 +251,20 @@ class MergeMethod(Wrapper):
         self.finetuned: Weights | None = None  # θ̂_{t−1} (init=finetuned)
         self.previous: Weights | None = None  # θ_{t−1} during a task (keeps_previous)
         self._initial: Weights | None = None
+        self.stat_sum: Weights = {}  # Σ of the task models' statistics (statistics="mean")
+        self.stat_count = 0
 
     def initial(self, ctx: TaskContext) -> Weights:
-        """θ_0 (loaded once, on the model's device)."""
+        """θ_0 as `deploy` sees it (loaded once, on the model's device): without the
+        statistics under statistics="mean"."""
+        full = self.initial_state(ctx)
+        if self.statistics != "mean":
+            return full
+        stats = statistics_names(ctx.model)
+        return {k: v for k, v in full.items() if k not in stats}
+
+    def initial_state(self, ctx: TaskContext) -> Weights:
+        """θ_0 whole, statistics included (what a task trains from under init=base)."""
         if self._initial is None:
             self._initial = load_initial(ctx)
         return self._initial
@@ -244,7 +276,7 @@ class MergeMethod(Wrapper):
         if self.init == "finetuned" and self.finetuned is not None:
             write_(ctx.model, self.finetuned)
         elif self.init == "base" and not ctx.first_task:
-            write_(ctx.model, self.initial(ctx))
+            write_(ctx.model, self.initial_state(ctx))
         self.start = clone_weights(floating_state(ctx.model))  # also on resume (before last/)
         super().before_task(ctx)
 
@@ -253,6 +285,8 @@ class MergeMethod(Wrapper):
         tuned = clone_weights(floating_state(ctx.model))
         if ctx.first_task and not self.merge_first_task:
             self.record(ctx, tuned)
+        elif self.statistics == "mean":
+            write_(ctx.model, self.deploy_apart(ctx, tuned))
         else:
             write_(ctx.model, self.deploy(ctx, tuned))
         if self.init == "finetuned":
@@ -261,6 +295,19 @@ class MergeMethod(Wrapper):
 
     def deploy(self, ctx: TaskContext, tuned: Weights) -> Weights:
         raise NotImplementedError
+
+    @torch.no_grad()
+    def deploy_apart(self, ctx: TaskContext, tuned: Weights) -> Weights:
+        """`deploy` of the weights without the statistics, then the statistics as the mean of
+        the task models' so far (statistics="mean"; the sum kept in float64 on the CPU)."""
+        stats = statistics_names(ctx.model)
+        for k in stats:
+            v = tuned[k].detach().to("cpu", torch.float64)
+            self.stat_sum[k] = self.stat_sum[k] + v if k in self.stat_sum else v
+        self.stat_count += 1
+        deployed = self.deploy(ctx, {k: v for k, v in tuned.items() if k not in stats})
+        mean = {k: (self.stat_sum[k] / self.stat_count).to(tuned[k].dtype) for k in stats}
+        return {**deployed, **mean}
 
     def record(self, ctx: TaskContext, tuned: Weights) -> None:
         """What a method keeps of a task it does not merge (`merge_first_task` False)."""
@@ -271,6 +318,9 @@ class MergeMethod(Wrapper):
             st["finetuned"] = dict(self.finetuned)
         if self.previous is not None:
             st["previous"] = dict(self.previous)
+        if self.stat_count:
+            st["statistics_sum"] = dict(self.stat_sum)
+            st["statistics_count"] = self.stat_count
         return st
 
     def load_own_state(self, state: dict[str, Any]) -> None:
@@ -278,6 +328,9 @@ class MergeMethod(Wrapper):
             self.finetuned = dict(state["finetuned"])
         if "previous" in state:
             self.previous = dict(state["previous"])
+        if "statistics_count" in state:
+            self.stat_sum = dict(state["statistics_sum"])
+            self.stat_count = int(state["statistics_count"])
         self.load_merge_state(state)
 
     def merge_state(self) -> dict[str, Any]:
@@ -303,6 +356,7 @@ class TaskVectorMerge(MergeMethod):
     Subclasses set `lam_key` (their λ argument) and put `LINES` in their defaults."""
 
     lam_key = "lam"
+    statistics = "mean"
 
     def apply(self, initial: Weights, tau: Weights) -> Weights:
         """θ_0 + λ·τ, or θ_0 + LiNeS(τ) under `lines=true`."""

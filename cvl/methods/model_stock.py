@@ -46,6 +46,7 @@ class ModelStock(MergeMethod):
     """Model Stock: θ_0 + t·mean(τ_i), t = k·cos/((k−1)·cos+1) per tensor (Jang et al. 2024)."""
 
     defaults = {"base": "seqft", "init": "base"}
+    statistics = "mean"  # merging.py: statistics
 
     def __init__(self, args: dict[str, Any] | None = None) -> None:
         super().__init__(args)

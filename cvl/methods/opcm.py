@@ -22,10 +22,12 @@ Where FusionBench's code is specific to HF CLIP or silent: "linear weights" are 
 the model's `nn.Linear` modules (as its `isinstance(module, nn.Linear)`), and open_clip's fused
 attention input projection `in_proj_weight` ([3d, d], the q, k, v projections HF CLIP holds as
 three `nn.Linear`) is projected as its three d × d blocks; every other floating tensor that
-`--tune` trains (embeddings, norms, biases, BatchNorm statistics, under `--tune lora` the adapted
-weights as they compute) is summed as `merge_other_parameters` does, and the final rescale
+`--tune` trains (embeddings, norms, biases, under `--tune lora` the adapted weights as they
+compute) is summed as `merge_other_parameters` does, and the final rescale
 touches every merged tensor (FusionBench rescales `named_parameters` only and skips the direct
 parameters of non-leaf modules such as HF CLIP's class embedding; cvl merges all of them alike).
+BatchNorm statistics are not task-vector entries (nor in the norms): the mean of the task
+models' is deployed (`cvl.methods.merging`, "Statistics"; HF CLIP has none).
 The norms are in float64 here. The state kept: τ̄_{t−1}, λ_{t−1} and the task-vector norms (one
 copy of the trained weights, CPU in the checkpoint). Wraps a base method (`base=NAME`).
 """
@@ -79,6 +81,7 @@ class OPCM(MergeMethod):
     """OPCM: each task vector projected off the merged vector's top singular subspace, added, rescaled."""
 
     defaults = {"base": "seqft", "alpha": 0.5, "init": "base"}
+    statistics = "mean"  # merging.py: statistics
 
     def __init__(self, args: dict[str, Any] | None = None) -> None:
         super().__init__(args)

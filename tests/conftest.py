@@ -1,5 +1,6 @@
 """Shared fixtures: a small synthetic stream built once per session; CPU threads kept low;
-tests marked `gpu` skipped where torch sees no CUDA device."""
+tests marked `gpu` skipped where torch sees no CUDA device; `xdist_group` honoured under
+`--dist loadgroup` whatever the pytest version (see `_group_for_xdist`)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ torch.set_num_threads(int(os.environ.get("CVL_TEST_THREADS", "1")))
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
 
 
+@pytest.hookimpl(trylast=True)  # after pytest-xdist's own hook (see _group_for_xdist)
 def pytest_collection_modifyitems(config, items):
     """Skip the `gpu` tests on a machine without CUDA (they run wherever torch sees a GPU)."""
+    _group_for_xdist(config, items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (gpu marker)")
@@ -46,3 +49,23 @@ def synth_stream(tmp_path_factory):
     )
     build_synthetic(out, spec, progress=False)
     return out
+
+
+def _group_for_xdist(config, items) -> None:
+    """Give a test marked `xdist_group(NAME)` the node id suffix `@NAME` that `--dist loadgroup`
+    schedules by (one worker for the group: its module fixture is built once).
+
+    pytest-xdist (3.8) writes the suffix to `Node._nodeid`, which pytest 9.2 no longer reads
+    (the id lives in `Node._id`): the groups were silently ignored, and each worker built
+    e.g. test_distributed.py's every-method torchrun fixture (~200 s) for itself."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    for item in items:
+        names = {
+            str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+            for m in item.iter_markers("xdist_group")
+        }
+        # already suffixed (a pytest whose node id xdist's hook could set), or not grouped
+        if not names or item.nodeid.rfind("@") > item.nodeid.rfind("]"):
+            continue
+        item._id = type(item._id).parse(f"{item.nodeid}@{'_'.join(sorted(names))}")

@@ -8,10 +8,12 @@ every logged term within 1e-5 on a 3-task run (task 2's old-model/buffer terms a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -62,11 +64,16 @@ def _losses(run):
 
 
 def run_pair(
-    stream, tmp_path, extra: list[str], entry: tuple[str, ...] = ("-m", "cvl")
+    stream,
+    tmp_path,
+    extra: list[str],
+    entry: tuple[str, ...] = ("-m", "cvl"),
+    in_process: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> tuple[list, list, dict, dict]:
     """Train the same config with torchrun ×2 (batch 8 each) and 1 process (batch 16);
-    `entry`: what runs (`-m cvl`, or a script taking cvl's arguments)."""
-    env = dist_env(2)
+    `entry`: what torchrun runs (`-m cvl`, or a script taking cvl's arguments). The 1-process
+    run is this test process (imports already paid: ~10 s of CPU less than a fresh one), under
+    `in_process()`: what `entry` changes in cvl, if anything."""
     common = ["train", "--stream", str(stream), *ARGS, "--device", shared_device(2), *extra]
     two = [
         sys.executable,
@@ -83,24 +90,16 @@ def run_pair(
         "--out",
         str(tmp_path / "two"),
     ]
-    one = [
-        sys.executable,
-        *entry,
-        *common,
-        "--batch-size",
-        "16",
-        "--out",
-        str(tmp_path / "one"),
-    ]
-    for cmd in (two, one):
-        r = subprocess.run(
-            cmd,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=int(os.environ.get("CVL_DIST_TIMEOUT", "600")),
-        )
-        assert r.returncode == 0, r.stderr[-3000:]
+    r = subprocess.run(
+        two,
+        env=dist_env(2),
+        capture_output=True,
+        text=True,
+        timeout=int(os.environ.get("CVL_DIST_TIMEOUT", "600")),
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    with in_process():
+        cli([*common, "--batch-size", "16", "--out", str(tmp_path / "one")])
     w1 = load_file(str(finished_tasks(tmp_path / "one")[-1].model_path))
     w2 = load_file(str(finished_tasks(tmp_path / "two")[-1].model_path))
     return _losses(tmp_path / "one"), _losses(tmp_path / "two"), w1, w2
@@ -133,11 +132,11 @@ def test_a_parameter_no_step_reaches_is_left_alone_by_two_processes(synth_stream
     """A trainable 2-D parameter that no loss reaches (tests/unused_param_run.py), weight decay
     on: one process leaves its gradient None and AdamW skips it; 2 processes must too (a
     zero gradient from the reduction would let AdamW decay it, in multi-process runs only)."""
-    from unused_param_run import UNUSED, unused_init
+    from unused_param_run import UNUSED, unused_init, unused_param
 
     entry = (str(HERE / "unused_param_run.py"),)
     extra = ["--method", "seqft", "--weight-decay", "0.5"]
-    l1, l2, w1, w2 = run_pair(synth_stream, tmp_path, extra, entry=entry)
+    l1, l2, w1, w2 = run_pair(synth_stream, tmp_path, extra, entry=entry, in_process=unused_param)
     assert torch.equal(w1[UNUSED], unused_init())  # one process: untouched
     assert torch.equal(w2[UNUSED], unused_init())  # 2 processes: untouched too
     assert len(l1) == len(l2) > 0

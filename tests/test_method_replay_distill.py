@@ -580,7 +580,7 @@ def test_cross_rank_state_two_processes_equal_one(synth_stream, tmp_path):
     import socket
 
     import torch.multiprocessing as mp
-    from device_helpers import spawn_env
+    from device_helpers import spawn_env, start_method
     from distill_helpers import assert_same_gradients
 
     with socket.socket() as s:
@@ -588,7 +588,9 @@ def test_cross_rank_state_two_processes_equal_one(synth_stream, tmp_path):
         port = s.getsockname()[1]
     out = str(tmp_path / "two.pt")
     with spawn_env(2):
-        mp.spawn(_worker, args=(port, out, str(synth_stream)), nprocs=2, join=True)
+        mp.start_processes(
+            _worker, args=(port, out, str(synth_stream)), nprocs=2, start_method=start_method()
+        )
     two, one = (
         torch.load(out, weights_only=True),
         _cross_rank(slice(0, 16), 1, 0, str(synth_stream)),

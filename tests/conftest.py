@@ -20,6 +20,9 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
 @pytest.hookimpl(trylast=True)  # after pytest-xdist's own hook (see _group_for_xdist)
 def pytest_collection_modifyitems(config, items):
     """Skip the `gpu` tests on a machine without CUDA (they run wherever torch sees a GPU)."""
+    for item in items:  # the worker that launches the torchrun batch runs every test of it
+        if item.get_closest_marker("torchrun_pair"):
+            item.add_marker(pytest.mark.xdist_group("torchrun_batch"))
     _group_for_xdist(config, items)
     if torch.cuda.is_available():
         return
@@ -49,6 +52,29 @@ def synth_stream(tmp_path_factory):
     )
     build_synthetic(out, spec, progress=False)
     return out
+
+
+@pytest.fixture(scope="session")
+def torchrun_batch(request, synth_stream, tmp_path_factory):
+    """The 2-process runs of every selected test marked `torchrun_pair`, in ONE torchrun
+    launch (tests/test_distributed.py: launch_pairs)."""
+    from test_distributed import launch_pairs, pair_key
+
+    marks = {}
+    for item in request.session.items:
+        for mark in item.iter_markers("torchrun_pair"):
+            marks.setdefault(pair_key(mark), mark)
+    return launch_pairs(synth_stream, tmp_path_factory.mktemp("pairs"), marks)
+
+
+@pytest.fixture
+def pair_runs(request, torchrun_batch, synth_stream, tmp_path):
+    """run_pair's (1-process logs, 2-process logs, weights, weights) for the test's
+    `torchrun_pair` mark: the 2-process run from the batch, the 1-process run made here."""
+    from test_distributed import pair_of
+
+    mark = request.node.get_closest_marker("torchrun_pair")
+    return pair_of(torchrun_batch, mark, synth_stream, tmp_path)
 
 
 def _group_for_xdist(config, items) -> None:

@@ -610,16 +610,17 @@ def test_cross_rank_state_two_processes_equal_one(synth_stream, tmp_path):
 
 
 @pytest.mark.slow
-def test_der_torchrun_two_processes_store_the_same_targets(synth_stream, tmp_path):
+@pytest.mark.torchrun_pair(
+    *("--method", "der", "--method-arg", "derpp=true", "--buffer", "reservoir"),
+    *("--buffer-size", "16"),
+)
+def test_der_torchrun_two_processes_store_the_same_targets(pair_runs, tmp_path):
     """The whole loop under torchrun ×2 (batch 8 each) vs 1 process (batch 16), DER++ with a
     reservoir: the stored targets of every buffer item (embedded in parts by both ranks with
     the real Accelerate gather) and every logged term match."""
-    from test_distributed import run_pair
-
     from cvl.runs import finished_tasks
 
-    extra = ["--method", "der", "--method-arg", "derpp=true", "--buffer", "reservoir"]
-    l1, l2, _, _ = run_pair(synth_stream, tmp_path, [*extra, "--buffer-size", "16"])
+    l1, l2, _, _ = pair_runs
     assert len(l1) == len(l2) > 0
     for a, b in zip(l1, l2):
         assert set(a) == set(b)

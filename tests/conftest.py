@@ -69,7 +69,7 @@ def torchrun_batch(request, synth_stream, tmp_path_factory):
 
 @pytest.fixture
 def pair_runs(request, torchrun_batch, synth_stream, tmp_path):
-    """run_pair's (1-process logs, 2-process logs, weights, weights) for the test's
+    """(1-process logs, 2-process logs, their final weights) for the test's
     `torchrun_pair` mark: the 2-process run from the batch, the 1-process run made here."""
     from test_distributed import pair_of
 

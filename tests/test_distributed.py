@@ -15,7 +15,6 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -83,6 +82,8 @@ def _torchrun(args: list[str], timeout: str = "600") -> subprocess.CompletedProc
 
 
 def _one_process(stream, extra: list[str], out: Path, in_process=contextlib.nullcontext):
+    """The 1-process run (batch 16) in `out`/one, next to the 2-process `out`/two: both
+    runs' logs and final weights."""
     with in_process():
         cli([*_common(stream, extra), "--batch-size", "16", "--out", str(out / "one")])
     w1 = load_file(str(finished_tasks(out / "one")[-1].model_path))
@@ -90,29 +91,12 @@ def _one_process(stream, extra: list[str], out: Path, in_process=contextlib.null
     return _losses(out / "one"), _losses(out / "two"), w1, w2
 
 
-def run_pair(
-    stream,
-    tmp_path,
-    extra: list[str],
-    entry: tuple[str, ...] = ("-m", "cvl"),
-    in_process: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-) -> tuple[list, list, dict, dict]:
-    """Train the same config with torchrun ×2 (batch 8 each) and 1 process (batch 16);
-    `entry`: what torchrun runs (`-m cvl`, or a script taking cvl's arguments). The 1-process
-    run is this test process (imports already paid: ~10 s of CPU less than a fresh one), under
-    `in_process()`: what `entry` changes in cvl, if anything. On the synthetic stream, prefer
-    the `torchrun_pair` mark (one launch for all such tests)."""
-    r = _torchrun(
-        [*entry, *_common(stream, extra), "--batch-size", "8", "--out", str(tmp_path / "two")]
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    return _one_process(stream, extra, tmp_path, in_process)
-
-
 # Tests marked `torchrun_pair(*extra, context=None)` on the session's synthetic stream get
-# run_pair's 4-tuple from the fixture `pair_runs` (tests/conftest.py): their 2-process runs
-# all go in ONE torchrun launch (tests/dist_many.py; each rank imports torch / open_clip / cvl
-# once instead of once per test, ~25 s of CPU a test), on one xdist worker. In `extra`, {eps}
+# (1-process logs, 2-process logs, 1-process weights, 2-process weights) from the fixture
+# `pair_runs` (tests/conftest.py): torchrun ×2 at batch 8 each, 1 process at 16. The
+# 2-process runs all go in ONE torchrun launch (tests/dist_many.py; each rank imports torch,
+# open_clip and cvl once instead of once per test, ~25 s of CPU a test), on one xdist
+# worker; the 1-process runs in the test's process. In `extra`, {eps}
 # is a YAML config setting Adam's ε to 1e-3 and {stream} the stream; `context` ("module:name")
 # a context manager both sides run in (unused_param_run:unused_param).
 def pair_key(mark) -> str:
@@ -147,8 +131,8 @@ def launch_pairs(stream: Path, root: Path, marks: dict) -> dict:
 
 
 def pair_of(batch: dict, mark, stream: Path, tmp_path: Path) -> tuple[list, list, dict, dict]:
-    """run_pair's result for a `torchrun_pair` mark: its launched 2-process run (from the
-    session's batch) and the 1-process run, made now in this process."""
+    """The 4-tuple for a `torchrun_pair` mark: its launched 2-process run (from `batch`, see
+    launch_pairs) and the 1-process run, made now in this process (imports already paid)."""
     folder, result, err = batch[pair_key(mark)]
     assert result == 0, f"torchrun run of {mark.args}: {result} {err}"
     shutil.copytree(folder / "two", tmp_path / "two")  # the test's folder holds both runs

@@ -5,7 +5,8 @@ tests, so the suite passes on a CPU-only machine and on a GPU machine alike.
   hook skips it where torch sees no CUDA device).
 - `dist_env(n)` / `spawn_env(n)`: processes started by a test get one GPU each when the machine
   has at least `n`, otherwise none (CUDA_VISIBLE_DEVICES=""), so they take the gloo/CPU path
-  instead of several ranks landing on one GPU (NCCL refuses a shared device);
+  instead of several ranks landing on one GPU (NCCL refuses a shared device); `start_method()`:
+  how torch.multiprocessing starts them (forked while this process has not started CUDA);
   `shared_device(n)`: the `--device` that puts the single-process run it is compared with on
   the same kind of device.
 """
@@ -46,6 +47,18 @@ def dist_env(nproc: int, base: dict[str, str] | None = None) -> dict[str, str]:
     """The full environment for a subprocess that launches `nproc` processes (torchrun,
     accelerate launch): `base` (default: this process's) plus `process_env(nproc)`."""
     return {**(os.environ if base is None else base), **process_env(nproc)}
+
+
+def start_method() -> str:
+    """`start_method` for torch.multiprocessing in a test: "fork" (the children inherit the
+    imports of torch, open_clip and cvl: ~10 s of CPU less each than a fresh interpreter) unless
+    this process has started CUDA, which a forked child can neither use nor start again:
+    "spawn" then (and where the platform has no fork)."""
+    import multiprocessing
+
+    if "fork" in multiprocessing.get_all_start_methods() and not torch.cuda.is_initialized():
+        return "fork"
+    return "spawn"
 
 
 @contextlib.contextmanager

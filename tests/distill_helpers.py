@@ -12,7 +12,7 @@ import socket
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from device_helpers import spawn_env
+from device_helpers import spawn_env, start_method
 
 N = 16
 
@@ -72,7 +72,9 @@ def two_vs_one(method: str, args: dict, tmp_path) -> tuple[tuple, tuple]:
         port = s.getsockname()[1]
     out = str(tmp_path / "two.pt")
     with spawn_env(2):
-        mp.spawn(_worker, args=(port, method, args, out), nprocs=2, join=True)
+        mp.start_processes(
+            _worker, args=(port, method, args, out), nprocs=2, start_method=start_method()
+        )
     return torch.load(out, weights_only=True), _step(method, args, slice(0, N))
 
 

@@ -8,8 +8,11 @@ every logged term within 1e-5 on a 3-task run (task 2's old-model/buffer terms a
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -61,49 +64,80 @@ def _losses(run):
     return out
 
 
-def run_pair(
-    stream, tmp_path, extra: list[str], entry: tuple[str, ...] = ("-m", "cvl")
-) -> tuple[list, list, dict, dict]:
-    """Train the same config with torchrun ×2 (batch 8 each) and 1 process (batch 16);
-    `entry`: what runs (`-m cvl`, or a script taking cvl's arguments)."""
-    env = dist_env(2)
-    common = ["train", "--stream", str(stream), *ARGS, "--device", shared_device(2), *extra]
-    two = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(_free_port()),
-        *entry,
-        *common,
-        "--batch-size",
-        "8",
-        "--out",
-        str(tmp_path / "two"),
-    ]
-    one = [
-        sys.executable,
-        *entry,
-        *common,
-        "--batch-size",
-        "16",
-        "--out",
-        str(tmp_path / "one"),
-    ]
-    for cmd in (two, one):
-        r = subprocess.run(
-            cmd,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=int(os.environ.get("CVL_DIST_TIMEOUT", "600")),
-        )
-        assert r.returncode == 0, r.stderr[-3000:]
-    w1 = load_file(str(finished_tasks(tmp_path / "one")[-1].model_path))
-    w2 = load_file(str(finished_tasks(tmp_path / "two")[-1].model_path))
-    return _losses(tmp_path / "one"), _losses(tmp_path / "two"), w1, w2
+def _common(stream, extra: list[str]) -> list[str]:
+    return ["train", "--stream", str(stream), *ARGS, "--device", shared_device(2), *extra]
+
+
+def _torchrun(args: list[str], timeout: str = "600") -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node 2 ARGS` (tests/ on the path of its processes)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    cmd += ["--master_port", str(_free_port()), *args]
+    return subprocess.run(
+        cmd,
+        env={**dist_env(2), "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])},
+        capture_output=True,
+        text=True,
+        timeout=int(os.environ.get("CVL_DIST_TIMEOUT", timeout)),
+    )
+
+
+def _one_process(stream, extra: list[str], out: Path, in_process=contextlib.nullcontext):
+    """The 1-process run (batch 16) in `out`/one, next to the 2-process `out`/two: both
+    runs' logs and final weights."""
+    with in_process():
+        cli([*_common(stream, extra), "--batch-size", "16", "--out", str(out / "one")])
+    w1 = load_file(str(finished_tasks(out / "one")[-1].model_path))
+    w2 = load_file(str(finished_tasks(out / "two")[-1].model_path))
+    return _losses(out / "one"), _losses(out / "two"), w1, w2
+
+
+# Tests marked `torchrun_pair(*extra, context=None)` on the session's synthetic stream get
+# (1-process logs, 2-process logs, 1-process weights, 2-process weights) from the fixture
+# `pair_runs` (tests/conftest.py): torchrun ×2 at batch 8 each, 1 process at 16. The
+# 2-process runs all go in ONE torchrun launch (tests/dist_many.py; each rank imports torch,
+# open_clip and cvl once instead of once per test, ~25 s of CPU a test), on one xdist
+# worker; the 1-process runs in the test's process. In `extra`, {eps}
+# is a YAML config setting Adam's ε to 1e-3 and {stream} the stream; `context` ("module:name")
+# a context manager both sides run in (unused_param_run:unused_param).
+def pair_key(mark) -> str:
+    return json.dumps([list(mark.args), mark.kwargs.get("context")])
+
+
+def _pair_extra(mark, stream: Path, root: Path) -> list[str]:
+    return [str(a).format(stream=stream, eps=root / "eps.yaml") for a in mark.args]
+
+
+def _context(spec: str | None):
+    if not spec:
+        return contextlib.nullcontext
+    mod, _, name = spec.partition(":")
+    return getattr(importlib.import_module(mod), name)
+
+
+def launch_pairs(stream: Path, root: Path, marks: dict) -> dict:
+    """The 2-process runs of `marks` (pair_key -> mark) in one torchrun launch: pair_key ->
+    (its folder, exit code or error, the launch's stderr tail)."""
+    (root / "eps.yaml").write_text("eps: 0.001\n")
+    cmds, dirs = {}, {}
+    for i, (key, mark) in enumerate(marks.items()):
+        dirs[key] = root / f"p{i}"
+        argv = [*_common(stream, _pair_extra(mark, stream, root)), "--batch-size", "8"]
+        cmds[key] = {"argv": [*argv, "--out", str(dirs[key] / "two")]}
+        cmds[key]["context"] = mark.kwargs.get("context")
+    (root / "cmds.json").write_text(json.dumps(cmds))
+    r = _torchrun([str(HERE / "dist_many.py"), str(root / "cmds.json"), str(root / "res.json")])
+    res = json.loads((root / "res.json").read_text()) if r.returncode == 0 else {}
+    return {k: (dirs[k], res.get(k), r.stderr[-3000:]) for k in marks}
+
+
+def pair_of(batch: dict, mark, stream: Path, tmp_path: Path) -> tuple[list, list, dict, dict]:
+    """The 4-tuple for a `torchrun_pair` mark: its launched 2-process run (from `batch`, see
+    launch_pairs) and the 1-process run, made now in this process (imports already paid)."""
+    folder, result, err = batch[pair_key(mark)]
+    assert result == 0, f"torchrun run of {mark.args}: {result} {err}"
+    shutil.copytree(folder / "two", tmp_path / "two")  # the test's folder holds both runs
+    extra = _pair_extra(mark, stream, folder.parent)
+    return _one_process(stream, extra, tmp_path, _context(mark.kwargs.get("context")))
 
 
 def assert_equivalent(l1, l2, w1, w2, keys=("loss",)):
@@ -116,28 +150,28 @@ def assert_equivalent(l1, l2, w1, w2, keys=("loss",)):
 
 
 @pytest.mark.slow
-def test_two_processes_equal_one_with_double_batch(synth_stream, tmp_path):
-    l1, l2, w1, w2 = run_pair(
-        synth_stream,
-        tmp_path,
-        # loader workers on, and log lines averaging 2 steps reduced across the 2 ranks
-        ["--method", "seqft", "--buffer", "reservoir", "--buffer-size", "16"]
-        + ["--workers", "1", "--log-every", "2"],
-    )
+# loader workers on, and log lines averaging 2 steps reduced across the 2 ranks
+@pytest.mark.torchrun_pair(
+    *("--method", "seqft", "--buffer", "reservoir", "--buffer-size", "16"),
+    *("--workers", "1", "--log-every", "2"),
+)
+def test_two_processes_equal_one_with_double_batch(pair_runs, tmp_path):
+    l1, l2, w1, w2 = pair_runs
     assert_equivalent(l1, l2, w1, w2, keys=("loss", "itc"))
     assert_same_step_cost(tmp_path / "one", tmp_path / "two")
 
 
 @pytest.mark.slow
-def test_a_parameter_no_step_reaches_is_left_alone_by_two_processes(synth_stream, tmp_path):
+@pytest.mark.torchrun_pair(
+    "--method", "seqft", "--weight-decay", "0.5", context="unused_param_run:unused_param"
+)
+def test_a_parameter_no_step_reaches_is_left_alone_by_two_processes(pair_runs):
     """A trainable 2-D parameter that no loss reaches (tests/unused_param_run.py), weight decay
     on: one process leaves its gradient None and AdamW skips it; 2 processes must too (a
     zero gradient from the reduction would let AdamW decay it, in multi-process runs only)."""
     from unused_param_run import UNUSED, unused_init
 
-    entry = (str(HERE / "unused_param_run.py"),)
-    extra = ["--method", "seqft", "--weight-decay", "0.5"]
-    l1, l2, w1, w2 = run_pair(synth_stream, tmp_path, extra, entry=entry)
+    l1, l2, w1, w2 = pair_runs
     assert torch.equal(w1[UNUSED], unused_init())  # one process: untouched
     assert torch.equal(w2[UNUSED], unused_init())  # 2 processes: untouched too
     assert len(l1) == len(l2) > 0
@@ -146,31 +180,46 @@ def test_a_parameter_no_step_reaches_is_left_alone_by_two_processes(synth_stream
     assert_weights_close(w1, w2, atol=WEIGHT_ATOL)
 
 
+_BUDGET = ("--budget", "samples=32/task")
+
+
 @pytest.mark.parametrize(
-    "extra",
+    "policy",
     [
-        ["--method", "seqft", "--buffer", "cumulative-exp", "--buffer-size", "16"],
-        ["--method", "joint", "--method-arg", "cumulative=true", "--method-arg", "restart=true"],
+        pytest.param(
+            "cumulative-exp",
+            marks=pytest.mark.torchrun_pair(
+                *("--method", "seqft", "--buffer", "cumulative-exp", "--buffer-size", "16"),
+                *_BUDGET,
+            ),
+        ),
+        pytest.param(
+            "oracle",
+            marks=pytest.mark.torchrun_pair(
+                *("--method", "joint", "--method-arg", "cumulative=true"),
+                *("--method-arg", "restart=true", *_BUDGET),
+            ),
+        ),
     ],
-    ids=["cumulative-exp", "oracle"],
 )
-def test_two_processes_equal_one_with_tic_policies(extra, synth_stream, tmp_path):
+def test_two_processes_equal_one_with_tic_policies(policy, pair_runs):
     """TiC-CLIP's Cumulative-Exp buffer (every rank computes the same buffer) and the Oracle
     (every rank restarts from the initial weights), under a per-task sample budget: every
     logged loss within 1e-5; weights within WEIGHT_ATOL (measured: 1.01e-5 for 1 element of
     289,537 with the buffer, Adam's normalisation of rounding noise; a rank training other
     data or weights would move them by ~lr = 5e-4)."""
-    l1, l2, w1, w2 = run_pair(synth_stream, tmp_path, [*extra, "--budget", "samples=32/task"])
+    l1, l2, w1, w2 = pair_runs
     assert_equivalent(l1, l2, {}, {}, keys=("loss", "itc"))
     for k in w1:
         assert torch.allclose(w1[k], w2[k], atol=WEIGHT_ATOL), k
 
 
 @pytest.mark.slow
-def test_two_processes_equal_one_with_lora_adapters(synth_stream, tmp_path):
+@pytest.mark.torchrun_pair("--method", "ties", "--tune", "lora")
+def test_two_processes_equal_one_with_lora_adapters(pair_runs):
     """--tune lora: the adapters (drawn from the seed on every rank) get rank-averaged
     gradients, and a merge (TIES, every task from θ_0) deploys the same weights."""
-    l1, l2, w1, w2 = run_pair(synth_stream, tmp_path, ["--method", "ties", "--tune", "lora"])
+    l1, l2, w1, w2 = pair_runs
     assert_equivalent(l1, l2, w1, w2, keys=("loss", "itc"))
 
 
@@ -231,23 +280,8 @@ def dist_runs(tmp_path_factory):
     methods = trained_methods()
     cmds = {m: _argv(stream, root / "two" / m, m, 8) for m in methods}
     (root / "cmds.json").write_text(json.dumps(cmds))
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "--master_port",
-            str(_free_port()),
-            str(HERE / "dist_many.py"),
-            str(root / "cmds.json"),
-            str(root / "results.json"),
-        ],
-        env={**dist_env(2), "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])},
-        capture_output=True,
-        text=True,
-        timeout=int(os.environ.get("CVL_DIST_TIMEOUT", "900")),
+    r = _torchrun(
+        [str(HERE / "dist_many.py"), str(root / "cmds.json"), str(root / "results.json")], "900"
     )
     results = json.loads((root / "results.json").read_text()) if r.returncode == 0 else {}
     return stream, root, results, r.stderr[-3000:]

@@ -441,13 +441,10 @@ def test_ctp_resume_mid_task_gives_identical_weights(
 
 
 @pytest.mark.slow
-def test_ctp_two_processes_equal_one_with_double_batch(synth_stream, tmp_path):
+@pytest.mark.torchrun_pair("--method", "ctp", "--method-arg", "queue_size=40")
+def test_ctp_two_processes_equal_one_with_double_batch(pair_runs):
     """torchrun ×2 (batch 8) vs 1 process (batch 16), clip tiny-vit, queue of 40 (wraps)."""
-    from test_distributed import run_pair
-
-    l1, l2, w1, w2 = run_pair(
-        synth_stream, tmp_path, ["--method", "ctp", "--method-arg", "queue_size=40"]
-    )
+    l1, l2, w1, w2 = pair_runs
     assert len(l1) == len(l2) == 9
     assert sum("topo_cross" in r for r in l1) == 6
     for a, b in zip(l1, l2):

@@ -172,11 +172,13 @@ def test_resume_mid_task_gives_identical_weights(synth_stream, tmp_path, monkeyp
 
 
 @pytest.mark.slow
-def test_two_processes_equal_one_with_double_batch(synth_stream, tmp_path):
-    from test_distributed import assert_equivalent, run_pair
+@pytest.mark.torchrun_pair(
+    *("--method", "dha", "--method-arg", "k=2", "--buffer", "ring", "--buffer-size", "16")
+)
+def test_two_processes_equal_one_with_double_batch(pair_runs):
+    from test_distributed import assert_equivalent
 
-    extra = ["--method", "dha", "--method-arg", "k=2", "--buffer", "ring", "--buffer-size", "16"]
-    l1, l2, w1, w2 = run_pair(synth_stream, tmp_path, extra)
+    l1, l2, w1, w2 = pair_runs
     assert_equivalent(l1, l2, {}, {}, keys=("loss", "contrastive"))  # logged losses
     assert_weights_close(w1, w2)
 

@@ -212,11 +212,12 @@ def test_dkr_resume_mid_task_identical_weights(synth_stream, tmp_path, monkeypat
 
 
 @pytest.mark.slow
-def test_dkr_two_processes_equal_one(synth_stream, tmp_path):
+@pytest.mark.torchrun_pair("--method", "dkr")
+def test_dkr_two_processes_equal_one(pair_runs):
     from distill_helpers import without_key_bias
-    from test_distributed import assert_equivalent, run_pair
+    from test_distributed import assert_equivalent
 
-    l1, l2, w1, w2 = run_pair(synth_stream, tmp_path, ["--method", "dkr"])
+    l1, l2, w1, w2 = pair_runs
     assert any("dkr_js" in r for r in l1)
     assert_equivalent(l1, l2, without_key_bias(w1), without_key_bias(w2), keys=("loss", "itc"))
     for a, b in zip(l1, l2):

@@ -438,19 +438,19 @@ def test_resume_mid_task_gives_identical_weights(synth_stream, tmp_path, monkeyp
 
 
 @pytest.mark.slow
-def test_two_processes_equal_one_with_double_batch(synth_stream, tmp_path):
+@pytest.mark.torchrun_pair(
+    *("--config", "{eps}", "--method", "incclip"),  # {eps}: Adam's ε 1e-3 (a YAML config)
+    *("--method-arg", "n_pseudo=4", "--buffer", "reservoir", "--buffer-size", "16"),
+)
+def test_two_processes_equal_one_with_double_batch(pair_runs):
     """With τ_old = 0.01 the old logits reach ~100, where float32 rounding is ~1e-5, and
     AdamW's first steps (fresh optimizer per task) turn gradient rounding noise on
     near-zero-gradient weights into updates of up to ±lr (measured: 1e-4 weight differences
     at the default ε = 1e-6, 1.4e-6 at ε = 1e-3; the pseudo-text and contrastive terms agree
     to ~1e-6 either way). So: ε = 1e-3, and the KD-carrying values compared relatively."""
-    from test_distributed import run_pair
     from test_method_dha import assert_weights_close
 
-    (tmp_path / "eps.yaml").write_text("eps: 0.001\n")
-    extra = ["--config", str(tmp_path / "eps.yaml"), "--method", "incclip"]
-    extra += ["--method-arg", "n_pseudo=4", "--buffer", "reservoir", "--buffer-size", "16"]
-    l1, l2, w1, w2 = run_pair(synth_stream, tmp_path, extra)
+    l1, l2, w1, w2 = pair_runs
     assert len(l1) == len(l2) == 9
     # float32 log-softmax of logits ~100 is exact to ~2e-5 per entry, ×λ = 5 in `kd`
     tol = {"loss": 5e-5, "kd": 5e-5, "contrastive": 1e-5}

@@ -209,16 +209,16 @@ def test_modx_resume_mid_task_identical_weights(synth_stream, tmp_path, monkeypa
 
 
 @pytest.mark.slow
-def test_modx_two_processes_equal_one(synth_stream, tmp_path):
+@pytest.mark.torchrun_pair("--method", "modx", "--method-arg", "reduction=mean")
+def test_modx_two_processes_equal_one(pair_runs):
     from distill_helpers import without_key_bias
-    from test_distributed import assert_equivalent, run_pair
+    from test_distributed import assert_equivalent
 
     # reduction=mean here: at the start of each task old == new up to float noise (batch 8 vs
     # 16 rounds differently), so the KL gradient is noise, × α·N/2 = 160 with the default sum,
     # which Adam turns into ~2e-5 weight differences after 9 steps. The sum's global-batch
     # arithmetic is checked tightly on one step in test_modx_gradients_two_processes_equal_one.
-    extra = ["--method", "modx", "--method-arg", "reduction=mean"]
-    l1, l2, w1, w2 = run_pair(synth_stream, tmp_path, extra)
+    l1, l2, w1, w2 = pair_runs
     later = [r for r in l1 if r["task_index"] > 0]
     assert later and all("modx_kl" in r for r in later)
     keys = ("loss", "itc")

@@ -391,7 +391,7 @@ def test_cross_rank_state_two_processes_equal_one(tmp_path):
     import socket
 
     import torch.multiprocessing as mp
-    from device_helpers import spawn_env
+    from device_helpers import spawn_env, start_method
     from distill_helpers import assert_same_gradients
 
     with socket.socket() as s:
@@ -399,7 +399,9 @@ def test_cross_rank_state_two_processes_equal_one(tmp_path):
         port = s.getsockname()[1]
     out = str(tmp_path / "two.pt")
     with spawn_env(2):
-        mp.spawn(_importance_worker, args=(port, out), nprocs=2, join=True)
+        mp.start_processes(
+            _importance_worker, args=(port, out), nprocs=2, start_method=start_method()
+        )
     res2, res1 = torch.load(out, weights_only=True), _cross_rank(slice(0, 16))
     two, one = res2["importance"], res1["importance"]
     assert set(two) == set(one) == {"fusion/fisher", "fusion/mas"}

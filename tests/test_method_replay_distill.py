@@ -580,7 +580,7 @@ def test_cross_rank_state_two_processes_equal_one(synth_stream, tmp_path):
     import socket
 
     import torch.multiprocessing as mp
-    from device_helpers import spawn_env
+    from device_helpers import spawn_env, start_method
     from distill_helpers import assert_same_gradients
 
     with socket.socket() as s:
@@ -588,7 +588,9 @@ def test_cross_rank_state_two_processes_equal_one(synth_stream, tmp_path):
         port = s.getsockname()[1]
     out = str(tmp_path / "two.pt")
     with spawn_env(2):
-        mp.spawn(_worker, args=(port, out, str(synth_stream)), nprocs=2, join=True)
+        mp.start_processes(
+            _worker, args=(port, out, str(synth_stream)), nprocs=2, start_method=start_method()
+        )
     two, one = (
         torch.load(out, weights_only=True),
         _cross_rank(slice(0, 16), 1, 0, str(synth_stream)),
@@ -608,16 +610,17 @@ def test_cross_rank_state_two_processes_equal_one(synth_stream, tmp_path):
 
 
 @pytest.mark.slow
-def test_der_torchrun_two_processes_store_the_same_targets(synth_stream, tmp_path):
+@pytest.mark.torchrun_pair(
+    *("--method", "der", "--method-arg", "derpp=true", "--buffer", "reservoir"),
+    *("--buffer-size", "16"),
+)
+def test_der_torchrun_two_processes_store_the_same_targets(pair_runs, tmp_path):
     """The whole loop under torchrun ×2 (batch 8 each) vs 1 process (batch 16), DER++ with a
     reservoir: the stored targets of every buffer item (embedded in parts by both ranks with
     the real Accelerate gather) and every logged term match."""
-    from test_distributed import run_pair
-
     from cvl.runs import finished_tasks
 
-    extra = ["--method", "der", "--method-arg", "derpp=true", "--buffer", "reservoir"]
-    l1, l2, _, _ = run_pair(synth_stream, tmp_path, [*extra, "--buffer-size", "16"])
+    l1, l2, _, _ = pair_runs
     assert len(l1) == len(l2) > 0
     for a, b in zip(l1, l2):
         assert set(a) == set(b)

@@ -240,16 +240,17 @@ def test_killed_mixture_run_resumes_bitwise(tiny, tmp_path):
 
 
 @pytest.mark.slow
-def test_two_processes_equal_one_with_a_mixture(synth_stream, tmp_path):
+@pytest.mark.torchrun_pair(
+    *("--method", "seqft", "--buffer", "reservoir", "--buffer-size", "16"),
+    *("--mixture", "task=0.5,buffer=0.3,pretrain=0.2", "--pretrain-data", "{stream}"),
+    *("--lr-schedule", "rsqrt-ar", "--warmup", "1", "--workers", "1"),
+)
+def test_two_processes_equal_one_with_a_mixture(pair_runs):
     """2 processes × batch 8 = 1 process × 16 with a mixture (task / buffer / pretraining
     stream), a meta-schedule and loader workers."""
     import torch
-    from test_distributed import run_pair
 
-    extra = ["--method", "seqft", "--buffer", "reservoir", "--buffer-size", "16"]
-    extra += ["--mixture", "task=0.5,buffer=0.3,pretrain=0.2", "--pretrain-data", str(synth_stream)]
-    extra += ["--lr-schedule", "rsqrt-ar", "--warmup", "1", "--workers", "1"]
-    l1, l2, w1, w2 = run_pair(synth_stream, tmp_path, extra)
+    l1, l2, w1, w2 = pair_runs
     assert len(l1) == len(l2) == 9
     for a, b in zip(l1, l2):  # the same global batches: the same losses, rates and split
         assert abs(a["loss"] - b["loss"]) <= 1e-5 and abs(a["itc"] - b["itc"]) <= 1e-5, (a, b)

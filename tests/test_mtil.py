@@ -239,24 +239,41 @@ def test_class_ce_resume_is_bitwise(cls_stream, tmp_path, monkeypatch):
     assert "lwf_kd" in task_log(tmp_path / "whole", 1)[0]
 
 
+def _class_ce_pair(method: str):
+    """The 2 × 8 = 1 × 16 run of `method` with class-ce (test_distributed's torchrun_pair
+    form). Adam ε 1e-3 ({eps}, as test_distributed's EPS_1E3): the text tower's attention key
+    biases get only rounding noise as gradient (exactly 0 in exact arithmetic), which Adam at
+    ε 1e-6 turns into ±lr updates that differ between 1 × 16 and 2 × 8 rows."""
+    extra = ["--method", method, "--base-loss", "class-ce", "--steps-per-task", "3"]
+    extra += ["--config", "{eps}"]
+    if method == "icarl":  # as recipes/mtil.sh runs it (similarity-logit distillation)
+        extra += ["--buffer", "mof", "--buffer-size", "8", "--method-arg", "variant=logits"]
+    return pytest.mark.torchrun_pair(*extra).mark
+
+
+CLASS_CE_PAIRS = {m: _class_ce_pair(m) for m in ("seqft", "icarl")}
+
+
+@pytest.fixture(scope="module")
+def class_ce_runs(cls_stream, tmp_path_factory):
+    """Both methods' 2-process runs in one torchrun launch (test_distributed.launch_pairs)."""
+    from test_distributed import launch_pairs, pair_key
+
+    marks = {pair_key(m): m for m in CLASS_CE_PAIRS.values()}
+    return launch_pairs(cls_stream, tmp_path_factory.mktemp("pairs"), marks)
+
+
 @pytest.mark.slow
+@pytest.mark.xdist_group("mtil_class_ce")  # one worker launches class_ce_runs
 @pytest.mark.parametrize("method", ["seqft", "icarl"])
-def test_class_ce_two_processes_equal_one(method, cls_stream, tmp_path):
+def test_class_ce_two_processes_equal_one(method, cls_stream, class_ce_runs, tmp_path):
     """2 processes x batch 8 = 1 x 16 with class-ce (each rank embeds the same class texts;
     the masked mean over the global batch), 3 steps per task over 2 epochs; iCaRL mixes its
     herding buffer's items of earlier tasks into the batches, which the cross-entropy leaves
     out (rank by rank, counted over the global batch)."""
-    from test_distributed import WEIGHT_ATOL, assert_weights_close, run_pair
+    from test_distributed import WEIGHT_ATOL, assert_weights_close, pair_of
 
-    # Adam ε 1e-3 (as test_distributed's EPS_1E3): the text tower's attention key biases get
-    # only rounding noise as gradient (exactly 0 in exact arithmetic), which Adam at ε 1e-6
-    # turns into ±lr updates that differ between 1 × 16 and 2 × 8 rows
-    (tmp_path / "eps.yaml").write_text("eps: 0.001\n")
-    extra = ["--method", method, "--base-loss", "class-ce", "--steps-per-task", "3"]
-    extra += ["--config", str(tmp_path / "eps.yaml")]
-    if method == "icarl":  # as recipes/mtil.sh runs it (similarity-logit distillation)
-        extra += ["--buffer", "mof", "--buffer-size", "8", "--method-arg", "variant=logits"]
-    l1, l2, w1, w2 = run_pair(cls_stream, tmp_path, extra)
+    l1, l2, w1, w2 = pair_of(class_ce_runs, CLASS_CE_PAIRS[method], cls_stream, tmp_path)
     assert len(l1) == len(l2) == 9 and [r["epoch"] for r in l1[:3]] == [0, 0, 1]
     tol = 5e-5 if method == "icarl" else 1e-5  # relative for the KD, as test_distributed
     for a, b in zip(l1, l2):

@@ -432,9 +432,12 @@ def _dist_worker(rank: int, port: int, result: str) -> None:
 @pytest.mark.slow
 def test_two_processes_gather_once_and_reduce_during_backward(tmp_path):
     import torch.multiprocessing as mp
+    from device_helpers import start_method
 
     result = str(tmp_path / "gathers.json")
-    mp.spawn(_dist_worker, args=(_free_port(), result), nprocs=2, join=True)
+    mp.start_processes(
+        _dist_worker, args=(_free_port(), result), nprocs=2, start_method=start_method()
+    )
     gathers = json.loads(Path(result).read_text())
     assert set(gathers) >= {"lwf", "modx", "dkr", "ctp", "co2l", "erl", "der", "geodl"}
     for name, (_calls, dups, memo_left) in gathers.items():

@@ -359,3 +359,39 @@ def test_more_processes_than_gpus_stops_before_training(
     err = capsys.readouterr().err
     assert "launches 2 processes but has 1 GPU" in err and "--device cpu" in err
     assert not (tmp_path / "r").exists()
+
+
+def test_each_task_frees_the_previous_optimizer_without_a_collection(
+    synth_stream, tmp_path, monkeypatch
+):
+    """Before task k's optimizer is made, task k-1's (and its moments) is gone, freed by
+    reference counting alone: with the collector off, none of the earlier optimizers is alive
+    then and the accelerator's list is empty (cvl.device.drop_optimizers replaced Accelerate's
+    free_memory(), whose gc.collect() cost ~0.4 s a task)."""
+    import gc
+    import weakref
+
+    import cvl.train.loop as loop
+
+    made, alive_at_drop = [], []
+    real_make, real_drop = loop.optimizer_with_schedule, loop.drop_optimizers
+
+    def make(*a, **k):
+        opt, sched = real_make(*a, **k)
+        made.append(weakref.ref(opt))
+        return opt, sched
+
+    def drop(acc):
+        real_drop(acc)
+        alive_at_drop.append(sum(r() is not None for r in made))
+        assert acc._optimizers == []
+
+    monkeypatch.setattr(loop, "optimizer_with_schedule", make)
+    monkeypatch.setattr(loop, "drop_optimizers", drop)
+    gc.collect()
+    gc.disable()
+    try:
+        _train(synth_stream, tmp_path / "r", max_steps_per_task=1)
+    finally:
+        gc.enable()
+    assert len(made) == 3 and alive_at_drop == [0, 0, 0]

@@ -38,7 +38,7 @@ from cvl.data.reader import (
     sample_seed,
 )
 from cvl.data.transforms import image_transform
-from cvl.device import nondeterministic_ops_stop
+from cvl.device import drop_optimizers, nondeterministic_ops_stop
 from cvl.dist import GradReducer
 from cvl.errors import CvlError
 from cvl.methods.base import Method, TaskContext, frozen_copy
@@ -335,9 +335,10 @@ class Trainer(RunFolder, NonFiniteGuards):
         return ps + [p for p in self.method.extra_parameters() if p.requires_grad]
 
     def _optimizer(self, steps: int, lr_lambda: Any = None, task: str | None = None):
+        # the previous task's optimizer (and its moments) is freed before this task's is made
+        self._opt = None
+        drop_optimizers(self.acc)
         opt, sched = optimizer_with_schedule(self._params(), self.cfg, steps, lr_lambda, task)
-        # the previous task's optimizer (and its moments) leaves the accelerator's list
-        self.acc.free_memory()
         self._opt = self.acc.prepare_optimizer(opt, device_placement=False)
         return self._opt, sched
 

@@ -191,7 +191,7 @@ def test_recipe_smoke(name, tmp_path):
         assert again.returncode == 0, again.stderr[-3000:]
         assert "reusing" in again.stdout and "saved" not in again.stdout
         # --nproc 2 really trains in 2 processes (accelerate launch), each with half the batch
-        two = [*cmd[:-1], str(tmp_path / "two"), "--nproc", "2", "--methods", "seqft dha"]
+        two = [*cmd[:-1], str(tmp_path / "two"), "--nproc", "2", "--methods", "dha"]
         r = subprocess.run(two, env=dist_env(2, _env(tmp_path)), capture_output=True, text=True)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         run = json.loads((tmp_path / "two" / "runs" / "dha" / "run.json").read_text())

@@ -3,8 +3,9 @@
 The smoke tests run every recipe's --smoke mode whole (synthetic stand-ins for the protocols'
 data, tiny models, CPU) through a `cvl` wrapper around this interpreter, and check each
 setting's comparison table has exactly one row per method, in the recipe's order, with numbers
-in it. One at a time they take 30 minutes here (2 to 10 each), so they carry the `recipes`
-marker: `make test` leaves them out, `make smoke` runs them (two at a time), CI runs both.
+in it. Together they use about 30 minutes of CPU (one `make smoke` run: 1,861 s), so they
+carry the `recipes` marker: `make test` leaves them out, `make smoke` runs them (two at a
+time), CI runs both.
 """
 
 from __future__ import annotations

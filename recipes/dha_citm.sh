@@ -9,7 +9,8 @@
 # STREAMS/cc3m, STREAMS/wit, STREAMS/goodnews; COCO comes from DATA/coco.
 #   recipes/dha_citm.sh --data data --streams streams --nproc 8 --out dha-out
 # Smoke (CPU, minutes): the same protocol stream (`cvl build-stream protocol dha-citm`, 4
-# tasks) from synthetic stand-ins for COCO, CC3M, WIT and GoodNews; tiny RN CLIP, 1 epoch:
+# tasks) from synthetic stand-ins for COCO, CC3M, WIT and GoodNews (32 training pairs each);
+# tiny RN CLIP, 1 epoch:
 #   recipes/dha_citm.sh --smoke --out dha-smoke
 # Hyperparameters: recipes/configs/dha_citm.yaml (smoke: configs/smoke.yaml).
 # Buffers: 5 % of a task's training set (6,500 of 130k pairs) for ER, DER, Co2L and DHA.
@@ -42,7 +43,7 @@ mkdir -p "$OUT"
 STREAM="$OUT/stream"
 step "build the CITM stream"
 if [ "$SMOKE" = 1 ]; then
-  smoke_sources "$OUT/sources" 64 0 coco cc3m wit goodnews
+  smoke_sources "$OUT/sources" 32 0 coco cc3m wit goodnews
   SRC=(--streams "$OUT/sources")
 else
   SRC=(--data "$DATA" --streams "$STREAMS")

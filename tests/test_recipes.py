@@ -3,8 +3,9 @@
 The smoke tests run every recipe's --smoke mode whole (synthetic stand-ins for the protocols'
 data, tiny models, CPU) through a `cvl` wrapper around this interpreter, and check each
 setting's comparison table has exactly one row per method, in the recipe's order, with numbers
-in it. One at a time they take 30 minutes here (2 to 10 each), so they carry the `recipes`
-marker: `make test` leaves them out, `make smoke` runs them (two at a time), CI runs both.
+in it. Together they use about 30 minutes of CPU (one `make smoke` run: 1,861 s), so they
+carry the `recipes` marker: `make test` leaves them out, `make smoke` runs them (two at a
+time), CI runs both.
 """
 
 from __future__ import annotations
@@ -88,6 +89,26 @@ def test_multi_process_training_goes_through_accelerate(tmp_path):
     assert odd.returncode == 2 and b"not divisible" in odd.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "settings", "want"),
+    [
+        ("--smoke", "a b", "x"),  # the first setting runs too: the later one trains the subset
+        ("--smoke", "b", "x y z"),  # alone, a later setting trains every method
+        ("--smoke --methods 'x y z'", "a b", "x y z"),  # --methods: in every setting
+        ("", "a b", "x y z"),  # the full protocol: every method everywhere
+    ],
+)
+def test_smoke_subset_only_beside_the_first_setting(args, settings, want):
+    """lib.sh's smoke_subset: a later setting's smoke subset applies in the smoke mode, without
+    --methods, when the first setting (which trains every method) runs as well."""
+    script = (
+        f'source "{RECIPES}/lib.sh"; parse_args {args}; METHODS=${{METHODS:-"x y z"}}; '
+        f'SETTINGS="{settings}"; smoke_subset a "x"'
+    )
+    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True)
+    assert r.stdout.split() == want.split()
+
+
 def _rows(table: Path) -> list[dict[str, str]]:
     with table.open(newline="", encoding="utf-8") as f:
         return list(csv.DictReader(f))
@@ -98,23 +119,25 @@ INCCLIP = "er lucir geodl co2l incclip"
 MODX = "seqft ewc lwf der modx joint"
 DKR = "joint zeroshot seqft ewc lwf erl afc modx dkr"
 MTIL = "zeroshot seqft icarl zscl ties seqft-lora"  # the smoke's default methods
-# recipe -> {setting folder: (methods in table order, task count, benchmarks)}
+# recipe -> {setting folder: (methods in table order, task count, benchmarks)}: the first
+# setting trains every method of the paper's list, the later ones the recipe's smoke subset
+# (lib.sh's smoke_subset: their streams and setting-specific arguments, end to end)
 SMOKES = {
-    "ctp_p9d.sh": {s: (CTP, 9, []) for s in ("default", "reversed")},
+    "ctp_p9d.sh": {"default": (CTP, 9, []), "reversed": ("seqft ctp ctp-er", 9, [])},
     "incclip_cc12m.sh": {
         "class4": (INCCLIP, 4, ["coco-5k", "f30k-1k"]),
-        "class8": (INCCLIP, 8, ["coco-5k", "f30k-1k"]),
-        "instance": (INCCLIP, 4, ["coco-5k", "f30k-1k"]),
+        "class8": ("er incclip", 8, ["coco-5k", "f30k-1k"]),
+        "instance": ("er incclip", 4, ["coco-5k", "f30k-1k"]),
     },
     "modx.sh": {
         "coco-f30k": (MODX, 6, ["coco-5k", "f30k-1k"]),
-        "ec": (MODX, 5, ["ec-5k", "coco-5k", "f30k-1k"]),
-        "cc12m": (MODX, 10, ["coco-5k", "f30k-1k"]),
+        "ec": ("seqft modx", 5, ["ec-5k", "coco-5k", "f30k-1k"]),
+        "cc12m": ("seqft modx", 10, ["coco-5k", "f30k-1k"]),
     },
     "dha_citm.sh": {"": ("seqft lwf er der co2l dha dha-dagger", 4, [])},
     "dkr.sh": {
         "s1": (DKR, 5, []),
-        "s2": (DKR, 5, ["f30k-1k", "coco-5k", "ec-5k"]),
+        "s2": ("seqft dkr", 5, ["f30k-1k", "coco-5k", "ec-5k"]),
     },
     # TiC's policies; the per-period retrieval sets are benchmarks of the stream's time layout
     "tic.sh": {"": ("sequential cumulative-all cumulative-equal cumulative-exp oracle", 3, [])},
@@ -125,8 +148,9 @@ SMOKES = {
 @pytest.mark.recipes
 @pytest.mark.parametrize("name", list(SMOKES))
 def test_recipe_smoke(name, tmp_path):
-    """`RECIPE --smoke` (build -> train every method -> eval -> compare) runs green on the CPU;
-    every setting's stream has the protocol's task count and benchmarks; its compare.csv and
+    """`RECIPE --smoke` (build -> train every method, in the first setting, the recipe's smoke
+    subset in the later ones -> eval -> compare) runs green on the CPU; every setting's stream
+    has the protocol's task count and benchmarks; its compare.csv and
     compare.json have one row per method, in the recipe's order, with a finite Rm and the
     benchmarks' columns; Mod-X writes the rotation analysis; (DHA) a rerun retrains nothing and
     --nproc 2 trains in two processes."""
@@ -168,7 +192,7 @@ def test_recipe_smoke(name, tmp_path):
         assert again.returncode == 0, again.stderr[-3000:]
         assert "reusing" in again.stdout and "saved" not in again.stdout
         # --nproc 2 really trains in 2 processes (accelerate launch), each with half the batch
-        two = [*cmd[:-1], str(tmp_path / "two"), "--nproc", "2", "--methods", "seqft dha"]
+        two = [*cmd[:-1], str(tmp_path / "two"), "--nproc", "2", "--methods", "dha"]
         r = subprocess.run(two, env=dist_env(2, _env(tmp_path)), capture_output=True, text=True)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         run = json.loads((tmp_path / "two" / "runs" / "dha" / "run.json").read_text())

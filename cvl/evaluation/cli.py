@@ -243,14 +243,14 @@ def eval_cmd(
         targets = list(runs) + ([run] if run else [])
         if len(targets) < 1:
             raise CvlError("--compare needs run folders: cvl eval --compare RUN1 RUN2 ...")
-        ms = []
+        ms, same = [], {}  # same: results by checkpoint content, shared by the runs
         for r in targets:
             m = _existing_metrics(Path(r), opts, main) if not force and stream is None else None
             if m is not None:
                 ms.append({**m, "run": str(r)})  # the folder as named now (its cost is read there)
                 continue
             lock = _lock_eval(r, None, acc)
-            m = evaluate_run(r, opts, acc, store=store)
+            m = evaluate_run(r, opts, acc, store=store, same=same)
             if main:  # tables only: `cvl eval --run R` writes the run's own plots (from cache)
                 write_outputs(m, Path(r) / "eval", plots=False)
             if lock is not None:

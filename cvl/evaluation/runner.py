@@ -15,11 +15,14 @@ checkpoint (`features.py`).
 Results are cached per checkpoint in `eval/cache/<checkpoint>.json`, keyed by the checkpoint
 file (size, mtime) and every option that changes a number (`EvalOptions.key_fields`: the
 precision of the embedding passes is one; device, workers and batch size are not); a re-run
-only evaluates what is new (or everything with `force`).
+only evaluates what is new (or everything with `force`). Within one `--compare`, a checkpoint
+whose bytes another run already had under the same key (the runs' common initial weights, a
+zero-shot run's unchanged copies) takes that run's result (`same`) instead of a second pass.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -182,6 +185,16 @@ def _hash(d: Any) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def _content_key(key: dict[str, Any], path: Path) -> str:
+    """A checkpoint's cache key with its file's bytes (SHA-256) in place of its name, size and
+    time: equal for two runs' identical weights evaluated the same way (same stream, columns,
+    options, model config and tasks seen)."""
+    from cvl.streams.manifest import file_sha256
+
+    rest = {k: v for k, v in key.items() if k not in ("checkpoint", "file")}
+    return _hash({**rest, "sha256": file_sha256(path)})
+
+
 # -- the whole run -----------------------------------------------------------------------------
 def _load_model(run_d: dict[str, Any], path: Path, device: Any, model: Any = None) -> Any:
     """The checkpoint's weights in `model` (the previous checkpoint's: every checkpoint of a
@@ -242,11 +255,14 @@ def evaluate_run(
     accelerator: Any = None,
     out: str | os.PathLike | None = None,
     store: ImageStore | None = None,
+    same: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Evaluate (or load from cache) the run's checkpoints and build metrics.json's content.
 
     Runs on the accelerator's device under a multi-process launch, else on `opts.device`;
-    `store` keeps decoded eval images across checkpoints (and across runs when shared)."""
+    `store` keeps decoded eval images across checkpoints (and across runs when shared);
+    `same` (one dict for every run of a --compare) holds the results by checkpoint content
+    and key, so identical checkpoints of several runs are evaluated once."""
     from cvl.streams.manifest import load_manifest
 
     run = Path(run)
@@ -302,8 +318,15 @@ def evaluate_run(
         if ck in todo and (cached is None or opts.force):
             bar.set_postfix_str(ck.label)
             t0 = time.perf_counter()
-            model = _load_model(run_d, ck.path, settings.device, model)
-            res = _evaluate_one(model, ck, manifest, columns, opts, settings, t0)
+            content = _content_key(key, ck.path) if same is not None else None
+            if content is not None and content in same:  # a copy: metrics may edit theirs
+                res = {**copy.deepcopy(same[content]), "seconds": 0.0}
+            else:
+                model = _load_model(run_d, ck.path, settings.device, model)
+                res = _evaluate_one(model, ck, manifest, columns, opts, settings, t0)
+                res["same_as"] = f"{run}:{ck.label}"  # where the numbers were computed
+                if content is not None:
+                    same[content] = copy.deepcopy(res)
             if main:
                 write_json(cfile, {"key_hash": h, "key": key, "result": res})
             results[ck.label] = res

@@ -8,13 +8,15 @@ import os
 import re
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import webdataset as wds
 from PIL import Image
 
 from cvl.io import write_json
 from cvl.streams.manifest import BUILD_REPORT, ShardSet
+
+if TYPE_CHECKING:
+    import webdataset as wds
 
 _KEY_BAD = re.compile(r"[^A-Za-z0-9_\-]")
 
@@ -52,6 +54,9 @@ class ShardSink:
         rel = f"{self.rel}/{len(self.shards):06d}.tar"
         path = self.root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
+        import webdataset as wds  # here: it imports torch (seconds), which a stream that
+        # writes no shard of its own (`build-stream compose`) never needs
+
         self._writer = wds.TarWriter(str(path), mtime=0.0, user="cvl", group="cvl", encoder=False)
         self.shards.append(rel)
         self._in_shard = 0

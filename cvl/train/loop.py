@@ -20,12 +20,9 @@ The run folder's files and checks live in `cvl.train.rundir`, the non-finite gua
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -68,26 +65,6 @@ from cvl.train.plan import (
 from cvl.train.rundir import LAST, RunFolder
 from cvl.train.schedules import lr_multiplier, task_position
 from cvl.train.selection import BestKeeper, selection_set, val_score
-
-
-@contextmanager
-def frozen_gc() -> Iterator[None]:
-    """Inside the block the cyclic garbage collector skips the objects alive when it started.
-
-    Accelerate's `free_memory()` (the previous task's optimizer leaving its list, every task)
-    runs a full `gc.collect()`, which otherwise walks every object of torch, timm, open_clip
-    and the model: about 0.4 s a task on a CPU, more than a smoke task's training. What is made
-    inside (optimizers, batches, the method's copies) is collected as before; the block
-    collects once first, and changes nothing when the caller has frozen objects itself."""
-    if gc.get_freeze_count():
-        yield
-        return
-    gc.collect()
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 class Trainer(RunFolder, NonFiniteGuards):
@@ -264,11 +241,9 @@ class Trainer(RunFolder, NonFiniteGuards):
 
     def run(self) -> None:
         """Train every task not finished yet, resuming a mid-task checkpoint; releases RUN's
-        lock at the end (the kernel does if the process dies). What is alive when it starts
-        stays out of the cyclic garbage collector's passes meanwhile (`frozen_gc`)."""
+        lock at the end (the kernel does if the process dies)."""
         try:
-            with frozen_gc():
-                self._run()
+            self._run()
         finally:
             self.cost.abort()  # an exception inside the counted step: leave its dispatch mode
             self._release_lock()

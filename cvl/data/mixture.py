@@ -42,9 +42,11 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-import torch
+import numpy as np
 
-from cvl.data.reader import Entry, PairDataset, global_batches, sample_seed
+from cvl.data.index import Entries
+from cvl.data.order import aug_seeds, derive_key, permute
+from cvl.data.reader import PairDataset, batches_in_epoch, global_batch
 from cvl.errors import CvlError
 
 #: FoMo's source order (its config's `data_mixture`): the order left-over items go in.
@@ -132,21 +134,29 @@ def without_buffer(sizes: Mapping[str, int]) -> dict[str, int]:
 
 @dataclass
 class TaskData:
-    """A task's training samples and its epochs' global batches (lists of (index into
-    `entries`, augmentation seed)); `sizes`: items per global batch from each source (None
+    """A task's training samples (`Entries`: integers, nothing per sample) and its epochs'
+    global batches, each computed alone by `batch(epoch, b)` as a list of (index into
+    `entries`, augmentation seed); `sizes`: items per global batch from each source (None
     without a mixture)."""
 
-    entries: list[Entry]
+    entries: Entries
     per_epoch: int  # global batches per epoch
-    epoch: Callable[[int], list[list[tuple[int, int]]]]
+    batch: Callable[[int, int], list[tuple[int, int]]]
     sizes: dict[str, int] | None = None
     counts: dict[str, int] = field(default_factory=dict)  # items each source holds
 
+    def epoch(self, e: int) -> list[list[tuple[int, int]]]:
+        """All global batches of epoch `e` (small sets and tests; training takes them one
+        at a time)."""
+        return [self.batch(e, b) for b in range(self.per_epoch)]
 
-def plain_data(entries: list[Entry], gb: int, seed: int) -> TaskData:
-    """No mixture: the task's samples (its own + the buffer's) in shuffled global batches."""
+
+def plain_data(entries: Entries, gb: int, seed: int, block: int = 1) -> TaskData:
+    """No mixture: the task's samples (its own + the buffer's) in shuffled global batches
+    (`block`: the shard-local order, `cvl.data.order`)."""
     n = len(entries)
-    return TaskData(entries, max(1, n // gb), lambda e: global_batches(n, gb, seed, e))
+    per = batches_in_epoch(n, gb)
+    return TaskData(entries, per, lambda e, b: global_batch(n, gb, seed, e, b, block=block))
 
 
 def batches_per_epoch(n_task: int, k_task: int) -> int:
@@ -154,49 +164,53 @@ def batches_per_epoch(n_task: int, k_task: int) -> int:
     return max(1, n_task // max(1, k_task))
 
 
-class _Stream:
-    """Positions 0, 1, 2, ... of a source's items, reshuffled each time it runs through."""
+def stream_items(n: int, key: int, positions: np.ndarray, block: int = 1) -> np.ndarray:
+    """Items at `positions` 0, 1, 2, ... of a source of n items that is reshuffled each time
+    it runs through (pass c: the permutation keyed by (key, c))."""
+    pos = np.asarray(positions, dtype=np.int64)
+    out = np.empty(len(pos), dtype=np.int64)
+    cyc = pos // n
+    for c in np.unique(cyc):
+        sel = cyc == c
+        out[sel] = permute(n, derive_key(key, int(c)), pos[sel] % n, block)
+    return out
 
-    def __init__(self, n: int, seed: int, *key: int) -> None:
-        self.n, self.seed, self.key = n, seed, key
-        self._perms: dict[int, list[int]] = {}
 
-    def __getitem__(self, p: int) -> int:
-        c = p // self.n
-        if c not in self._perms:
-            g = torch.Generator().manual_seed(sample_seed(self.seed, *self.key, c))
-            self._perms[c] = torch.randperm(self.n, generator=g).tolist()
-        return self._perms[c][p % self.n]
+def mixed_batch(
+    counts: Mapping[str, int],
+    sizes: Mapping[str, int],
+    per_epoch: int,
+    seed: int,
+    epoch: int,
+    b: int,
+    block: int = 1,
+) -> list[tuple[int, int]]:
+    """Global batch `b` of epoch `epoch`: `sizes[s]` items of each source s, indexed into
+    the concatenation task ++ buffer ++ pretrain (`counts[s]` items each); a function of
+    (counts, sizes, per_epoch, seed, epoch, b) only (module doc)."""
+    offset, start = {}, 0
+    for s in BATCH_ORDER:
+        offset[s] = start
+        start += counts.get(s, 0)
+    idx, aug = [], []
+    for s in BATCH_ORDER:
+        k = sizes.get(s, 0)
+        if not k:
+            continue
+        task = s == "task"
+        first = b * k if task else (epoch * per_epoch + b) * k  # task: per epoch
+        pos = np.arange(first, first + k, dtype=np.int64)
+        key = derive_key(seed, _TAG[s], epoch) if task else derive_key(seed, _TAG[s])
+        idx.append(offset[s] + stream_items(counts[s], key, pos, block if task else 1))
+        aug.append(aug_seeds(derive_key(key, epoch), pos))
+    return list(zip(np.concatenate(idx).tolist(), np.concatenate(aug).tolist()))
 
 
 def mixed_epoch(
     counts: Mapping[str, int], sizes: Mapping[str, int], per_epoch: int, seed: int, epoch: int
 ) -> list[list[tuple[int, int]]]:
-    """Epoch `epoch`'s global batches: `sizes[s]` items of each source s per batch, indexed
-    into the concatenation task ++ buffer ++ pretrain (`counts[s]` items each); a function of
-    (counts, sizes, per_epoch, seed, epoch) only (module doc)."""
-    offset, start = {}, 0
-    for s in BATCH_ORDER:
-        offset[s] = start
-        start += counts.get(s, 0)
-    streams = {}
-    for s in BATCH_ORDER:
-        if sizes.get(s, 0) > 0:
-            key = (_TAG[s], epoch) if s == "task" else (_TAG[s],)
-            streams[s] = _Stream(counts[s], seed, *key)
-    out = []
-    for b in range(per_epoch):
-        batch = []
-        for s in BATCH_ORDER:
-            k = sizes.get(s, 0)
-            if not k:
-                continue
-            first = b * k if s == "task" else (epoch * per_epoch + b) * k  # task: per epoch
-            for p in range(first, first + k):
-                aug = sample_seed(seed, _TAG[s], epoch if s == "task" else -1, p)
-                batch.append((offset[s] + streams[s][p], aug))
-        out.append(batch)
-    return out
+    """All of epoch `epoch`'s global batches (`mixed_batch` for each)."""
+    return [mixed_batch(counts, sizes, per_epoch, seed, epoch, b) for b in range(per_epoch)]
 
 
 class Mixture:
@@ -205,7 +219,7 @@ class Mixture:
     def __init__(self, shares: dict[str, Fraction], pretrain: str | os.PathLike | None) -> None:
         self.shares = shares
         self.pretrain_path = str(pretrain) if pretrain else None
-        self._pretrain: list[Entry] | None = None
+        self._pretrain: Entries | None = None
         if shares["pretrain"] > 0 and not self.pretrain_path:
             raise CvlError("--mixture gives the pretraining source a share: add --pretrain-data")
 
@@ -215,7 +229,7 @@ class Mixture:
         s = split_batch(gb, self.shares)
         return s if buffer_items else without_buffer(s)
 
-    def pretrain_entries(self) -> list[Entry]:
+    def pretrain_entries(self) -> Entries:
         """The pretraining source's samples (indexed once)."""
         if self._pretrain is None:
             self._pretrain = (
@@ -223,24 +237,24 @@ class Mixture:
                     pretrain_shards(self.pretrain_path), name="pretrain-data"
                 ).entries
                 if self.pretrain_path
-                else []
+                else Entries([])
             )
         return self._pretrain
 
     def data(
-        self, own: list[Entry], buffer: list[Entry], gb: int, seed: int, task: str
+        self, own: Entries, buffer: Entries, gb: int, seed: int, task: str, block: int = 1
     ) -> TaskData:
         """A task's mixed samples (own ++ buffer ++ pretraining) and batches."""
-        sizes = self.sizes(gb, bool(buffer))
-        pre = self.pretrain_entries() if sizes["pretrain"] else []
+        sizes = self.sizes(gb, bool(len(buffer)))
+        pre = self.pretrain_entries() if sizes["pretrain"] else Entries([])
         counts = {"task": len(own), "buffer": len(buffer), "pretrain": len(pre)}
         if not own:
             raise CvlError(f"task {task}: no training samples to mix")
         per = batches_per_epoch(len(own), sizes["task"])
         return TaskData(
-            list(own) + list(buffer) + list(pre),
+            own + buffer + pre,
             per,
-            lambda e: mixed_epoch(counts, sizes, per, seed, e),
+            lambda e, b: mixed_batch(counts, sizes, per, seed, e, b, block),
             sizes=sizes,
             counts=counts,
         )
@@ -261,13 +275,15 @@ class Mixture:
         }
 
 
-def task_data(method: Any, mixture: Mixture | None, ctx: Any, gb: int, seed: int) -> TaskData:
+def task_data(
+    method: Any, mixture: Mixture | None, ctx: Any, gb: int, seed: int, block: int = 1
+) -> TaskData:
     """A task's samples and global batches: the method's (its own + the buffer's), or with a
     mixture its own, the buffer's and the pretraining source's in set shares."""
     if mixture is None:
-        return plain_data(method.task_entries(ctx), gb, seed)
-    buf = ctx.buffer.entries() if ctx.buffer is not None else []
-    return mixture.data(method.own_entries(ctx), buf, gb, seed, ctx.task_name)
+        return plain_data(method.task_entries(ctx), gb, seed, block)
+    buf = ctx.buffer.entries() if ctx.buffer is not None else Entries([])
+    return mixture.data(method.own_entries(ctx), buf, gb, seed, ctx.task_name, block)
 
 
 def pretrain_shards(path: str | os.PathLike) -> list[Path]:

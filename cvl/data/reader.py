@@ -1,7 +1,8 @@
 """Reading stream shards back as a map-style torch Dataset.
 
-Shards are real webdataset tars; we index each tar's members once (headers only, no image
-decoding) and read samples by offset. A map-style dataset makes three things exact that an
+Shards are real webdataset tars; each has an on-disk index written once (`cvl.data.index`:
+member offsets, memory-mapped) and samples are read by offset (`cvl.data.remote`: an LRU of
+open files, byte ranges for shards at URLs). A map-style dataset makes three things exact that an
 iterable one makes hard: resume at a batch position, the same global batches for 1 process
 with batch 2B as for 2 processes with batch B (rank r takes slice r of each global batch),
 and replay-buffer items addressed by (shard, key).
@@ -22,12 +23,10 @@ import json
 import math
 import multiprocessing as mp
 import os
-import tarfile
 import zlib
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -39,85 +38,22 @@ from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from cvl.data.augment import SplitTransform
 from cvl.data.images import MAX_PIXELS, open_image  # noqa: F401 (MAX_PIXELS: re-exported)
+from cvl.data.index import IMAGE_EXTS, TABLE, Entries, Entry, ids_of_keys, is_remote  # noqa: F401
+from cvl.data.order import aug_seeds, derive_key, permute
+from cvl.data.remote import Files
 from cvl.errors import CvlError
 
-IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+
+@lru_cache(maxsize=64)
+def index_shard(path: str) -> tuple[Entries, tuple[tuple[str, str], ...]]:
+    """The usable samples of one shard (in file order) and the (key, reason) of those left
+    out, from its on-disk index (built once if missing: `cvl.data.index`)."""
+    e = Entries.of_shards([path])
+    sid = int(TABLE.ids[path if is_remote(path) else os.path.abspath(path)])
+    return e, TABLE.skipped[sid]
 
 
-@dataclass(frozen=True)
-class Entry:
-    """Where one sample lives: shard file, key, and (offset, size) of its members."""
-
-    shard: str
-    key: str
-    image: tuple[int, int]
-    text: tuple[int, int]
-    meta: tuple[int, int] | None
-
-    @property
-    def ref(self) -> tuple[str, str]:
-        return (self.shard, self.key)
-
-
-@lru_cache(maxsize=4096)
-def index_shard(path: str) -> tuple[tuple[Entry, ...], tuple[tuple[str, str], ...]]:
-    """Entries of one tar (in file order) and the (key, reason) of samples left out."""
-    members: dict[str, dict[str, tuple[int, int]]] = {}
-    order: list[str] = []
-    try:
-        with tarfile.open(path, mode="r:") as tf:
-            for ti in tf:
-                if not ti.isfile():
-                    continue
-                name = ti.name.rsplit("/", 1)[-1]
-                if "." not in name:
-                    continue
-                key, ext = name.split(".", 1)
-                prefix = ti.name[: len(ti.name) - len(name)]
-                key = prefix + key
-                if key not in members:
-                    members[key] = {}
-                    order.append(key)
-                members[key][ext.lower()] = (ti.offset_data, ti.size)
-    except (tarfile.TarError, OSError) as e:
-        raise CvlError(f"{path}: not a readable tar shard ({e})") from None
-    entries, skipped = [], []
-    for key in order:
-        m = members[key]
-        img = next((m[e] for e in IMAGE_EXTS if e in m), None)
-        if img is None:
-            skipped.append((key, "missing_image"))
-        elif "txt" not in m:
-            skipped.append((key, "missing_caption"))
-        elif m["txt"][1] == 0:
-            skipped.append((key, "empty_caption"))
-        else:
-            entries.append(Entry(path, key, img, m["txt"], m.get("json")))
-    return tuple(entries), tuple(skipped)
-
-
-class _Files:
-    """Per-process cache of open shard files (re-opened after a fork into a worker)."""
-
-    def __init__(self) -> None:
-        self.pid = -1
-        self.handles: dict[str, Any] = {}
-
-    def read(self, path: str, span: tuple[int, int]) -> bytes:
-        if self.pid != os.getpid():
-            self.handles, self.pid = {}, os.getpid()
-        f = self.handles.get(path)
-        if f is None:
-            if len(self.handles) > 64:
-                for h in self.handles.values():
-                    h.close()
-                self.handles.clear()
-            f = self.handles[path] = open(path, "rb")  # noqa: SIM115 (kept open on purpose)
-        f.seek(span[0])
-        return f.read(span[1])
-
-
-_FILES = _Files()
+_FILES = Files()
 
 
 def sample_seed(seed: int, *parts: int) -> int:
@@ -130,13 +66,14 @@ class PairDataset(Dataset):
 
     def __init__(
         self,
-        entries: Sequence[Entry],
+        entries: Entries | Sequence[Entry],
         transform: Callable[[Image.Image], torch.Tensor] | None = None,
         tokenize: Callable[[list[str]], torch.Tensor] | None = None,
         skipped: Counter | None = None,
         name: str = "",
     ) -> None:
-        self.entries = list(entries)
+        # integers (`Entries`), or a plain list of Entry for hand-made datasets
+        self.entries = entries if isinstance(entries, Entries) else list(entries)
         self.transform = transform
         self.tokenize = tokenize
         self.skipped = skipped if skipped is not None else Counter()
@@ -148,14 +85,10 @@ class PairDataset(Dataset):
         cls, shards: Iterable[str | os.PathLike], name: str = "", **kw: Any
     ) -> PairDataset:
         """All good samples of the shards, in shard order; raises if there are none."""
-        entries: list[Entry] = []
-        skipped: Counter = Counter()
-        shards = [str(Path(s).absolute()) for s in shards]
-        for s in shards:
-            e, sk = index_shard(s)
-            entries.extend(e)
-            skipped.update(reason for _, reason in sk)
-        if not entries:
+        shards = [str(s) if is_remote(str(s)) else str(Path(s).absolute()) for s in shards]
+        entries = Entries.of_shards(shards)
+        skipped = entries.skipped()
+        if not len(entries):
             raise CvlError(
                 (f"{name}: " if name else "")
                 + f"no usable samples in {len(shards)} shard(s)"
@@ -167,18 +100,19 @@ class PairDataset(Dataset):
     def from_refs(cls, refs: Iterable[tuple[str, str]], **kw: Any) -> PairDataset:
         """Samples addressed by (shard path, key), e.g. a replay buffer's contents."""
         refs = list(refs)
-        by_shard: dict[str, dict[str, Entry]] = {}
-        out = []
-        for shard, key in refs:
-            if shard not in by_shard:
-                by_shard[shard] = {e.key: e for e in index_shard(str(shard))[0]}
-            e = by_shard[shard].get(key)
-            if e is None:
+        by_shard: dict[str, list[int]] = {}
+        for i, (shard, _) in enumerate(refs):
+            by_shard.setdefault(str(shard), []).append(i)
+        ids = np.empty(len(refs), dtype=np.int64)
+        for shard, pos in by_shard.items():
+            got = ids_of_keys(shard, [refs[i][1] for i in pos])
+            if (got < 0).any():
+                key = refs[pos[int(np.flatnonzero(got < 0)[0])]][1]
                 raise CvlError(f"{shard}: no usable sample with key '{key}'")
-            out.append(e)
-        return cls(out, **kw)
+            ids[pos] = got
+        return cls(Entries.of_ids(ids), **kw)
 
-    def with_entries(self, entries: Sequence[Entry]) -> PairDataset:
+    def with_entries(self, entries: Entries | Sequence[Entry]) -> PairDataset:
         """The same transform/tokenizer over other entries (e.g. task data + buffer items)."""
         return PairDataset(entries, self.transform, self.tokenize, name=self.name)
 
@@ -187,10 +121,11 @@ class PairDataset(Dataset):
 
         For evaluation sets: replacing a bad item by its neighbour would count that one twice.
         Decodes every sample once (results are remembered per shard member)."""
-        good = [e for i, e in enumerate(self.entries) if _readable(self, i)]
+        good = [i for i in range(len(self.entries)) if _readable(self, i)]
         if len(good) < len(self.entries):
             self.skipped["unreadable"] += len(self.entries) - len(good)
-            self.entries = good
+            e = self.entries
+            self.entries = e.take(good) if isinstance(e, Entries) else [e[i] for i in good]
         if not good:
             raise CvlError(f"{self.name or 'dataset'}: every sample failed to decode")
         return self
@@ -201,30 +136,35 @@ class PairDataset(Dataset):
 
     def read_raw(self, i: int) -> tuple[Image.Image, str, dict[str, Any]]:
         """Decode sample i: PIL image (RGB), caption, metadata. Raises on corrupt data."""
-        _, img = self._open(i)
-        img = load_rgb(img)
-        return (img, *self._text(i))
-
-    def _open(self, i: int) -> tuple[bytes, Image.Image]:
-        """Sample i's image bytes and header-only PIL image (no pixel decoded yet)."""
         e = self.entries[i]
+        _, img = self._open(e)
+        img = load_rgb(img)
+        return (img, *self._text(e))
+
+    def _entry(self, e: int | Entry) -> Entry:
+        return self.entries[e] if isinstance(e, int) else e
+
+    def _open(self, e: int | Entry) -> tuple[bytes, Image.Image]:
+        """A sample's image bytes and header-only PIL image (no pixel decoded yet)."""
+        e = self._entry(e)
         data = _FILES.read(e.shard, e.image)
         return data, open_image(data)  # header only; MAX_PIXELS checked
 
-    def _text(self, i: int) -> tuple[str, dict[str, Any]]:
-        e = self.entries[i]
+    def _text(self, e: int | Entry) -> tuple[str, dict[str, Any]]:
+        e = self._entry(e)
         caption = _FILES.read(e.shard, e.text).decode("utf-8").strip()
         if not caption:
             raise ValueError("empty caption")
         meta = json.loads(_FILES.read(e.shard, e.meta).decode("utf-8")) if e.meta else {}
         return caption, meta
 
-    def _split_read(self, j: int) -> tuple[dict[str, Any], str, dict[str, Any]]:
+    def _split_read(self, e: int | Entry) -> tuple[dict[str, Any], str, dict[str, Any]]:
         """The split transform's worker part: crop box drawn from the header, then decoded."""
-        data, img = self._open(j)
+        e = self._entry(e)
+        data, img = self._open(e)
         plan = self.transform.prepare(img)
         parts = self.transform.apply(data, img, plan, load_rgb)
-        return (parts, *self._text(j))
+        return (parts, *self._text(e))
 
     def __getitem__(self, item: int | tuple[int, int]) -> dict[str, Any]:
         i, aug = (item, None) if isinstance(item, int) else item
@@ -233,12 +173,17 @@ class PairDataset(Dataset):
         parts: dict[str, Any] = {}
         for replaced in range(n):
             j = (i + replaced) % n
+            e = self.entries[j]
             try:
                 if split:  # the same draws, in the same order, as the Compose (below) makes
                     with _seeded(aug):
-                        parts, caption, meta = self._split_read(j)
+                        parts, caption, meta = self._split_read(e)
                 else:
                     img, caption, meta = self.read_raw(j)
+            except CvlError as err:  # an unreachable remote shard: not a bad sample
+                if "unreachable" in str(err):
+                    raise
+                continue
             except Exception:  # corrupt JPEG, non-UTF-8 text, bad JSON: take the next sample
                 continue
             break
@@ -263,11 +208,11 @@ class PairDataset(Dataset):
             "caption": caption,
             "captions": list(captions),
             "index": j,
-            "key": self.entries[j].key,
-            "shard": self.entries[j].shard,
+            "key": e.key,
+            "shard": e.shard,
             "task": meta.get("task"),
             "category": meta.get("category"),
-            "id": meta.get("id", self.entries[j].key),
+            "id": meta.get("id", e.key),
             "n_replaced": replaced,
         }
         if self.tokenize is not None:
@@ -356,28 +301,49 @@ def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def batches_in_epoch(n: int, global_batch: int, drop_last: bool = True) -> int:
+    """Global batches in an epoch of n items: a partial last batch is dropped (`drop_last`)
+    unless it is the only one."""
+    if n <= 0:
+        raise CvlError("cannot make batches from an empty dataset")
+    return max(1, n // global_batch) if drop_last else -(-n // global_batch)
+
+
+def global_batch(
+    n: int,
+    global_batch: int,
+    seed: int,
+    epoch: int,
+    b: int,
+    shuffle: bool = True,
+    block: int = 1,
+) -> list[tuple[int, int]]:
+    """Global batch `b` of an epoch as (index, augmentation seed) pairs, computed alone: the
+    positions [b·B, (b+1)·B) of the epoch's seeded permutation (`cvl.data.order.permute`;
+    `block`: the shard-local order). A function of (n, B, seed, epoch, b, block) only."""
+    pos = np.arange(b * global_batch, min(n, (b + 1) * global_batch), dtype=np.int64)
+    key = derive_key(seed, epoch)
+    idx = permute(n, key, pos, block) if shuffle else pos
+    return list(zip(idx.tolist(), aug_seeds(key, pos).tolist()))
+
+
 def global_batches(
-    n: int, global_batch: int, seed: int, epoch: int, shuffle: bool = True, drop_last: bool = True
+    n: int,
+    global_batch_size: int,
+    seed: int,
+    epoch: int,
+    shuffle: bool = True,
+    drop_last: bool = True,
+    block: int = 1,
 ) -> list[list[tuple[int, int]]]:
-    """The epoch's global batches as lists of (index, augmentation seed).
+    """The epoch's global batches as lists of (index, augmentation seed) (`global_batch`
+    for each; a list: for small sets, the trainer computes one batch at a time).
 
     Depends only on (n, global_batch, seed, epoch): every rank computes the same list.
     A dataset smaller than one global batch gives one (smaller) batch rather than none.
     """
-    if n <= 0:
-        raise CvlError("cannot make batches from an empty dataset")
-    if shuffle:
-        g = torch.Generator().manual_seed(sample_seed(seed, epoch))
-        order = torch.randperm(n, generator=g).tolist()
-    else:
-        order = list(range(n))
-    batches = []
-    for s in range(0, n, global_batch):
-        idx = order[s : s + global_batch]
-        if drop_last and len(idx) < global_batch and batches:
-            break
-        batches.append([(i, sample_seed(seed, epoch, s + k)) for k, i in enumerate(idx)])
-    return batches
+    per = batches_in_epoch(n, global_batch_size, drop_last)
+    return [global_batch(n, global_batch_size, seed, epoch, b, shuffle, block) for b in range(per)]
 
 
 def rank_slice(batch: list, rank: int, world: int) -> list:

@@ -106,7 +106,7 @@ class AFEC(EWC):
         with torch.random.fork_rng(devices=[]):
             model.train()
             micro, done = 0, 0
-            batches = task_batches(gen_ctx, list(ctx.task_entries), task_seed, ctx.epoch)
+            batches = task_batches(gen_ctx, ctx.task_entries, task_seed, ctx.epoch)
             for batch in batches:
                 if done >= steps:
                     break

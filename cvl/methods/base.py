@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from cvl.checks import Num, check_scalar
+from cvl.data.index import Entries
 from cvl.dist import all_reduce_mean, gather_no_grad, local_rows, world_size
 from cvl.errors import CvlError
 from cvl.losses import class_text_ce, clip_loss
@@ -225,15 +226,15 @@ class Method:
     def setup(self, ctx: TaskContext) -> None:
         """Once per run, after the model exists (before the first task or after a resume)."""
 
-    def own_entries(self, ctx: TaskContext) -> list:
+    def own_entries(self, ctx: TaskContext) -> Entries:
         """This task's training samples without the buffer's: the task source of a
         `--mixture` (which draws the buffer's items as a source of their own)."""
-        return list(ctx.task_entries)
+        return ctx.task_entries
 
-    def task_entries(self, ctx: TaskContext) -> list:
+    def task_entries(self, ctx: TaskContext) -> Entries:
         """Training samples of this task: its own data plus the replay buffer's items."""
-        extra = ctx.buffer.entries() if ctx.buffer is not None else []
-        return self.own_entries(ctx) + list(extra)
+        own = self.own_entries(ctx)
+        return own + ctx.buffer.entries() if ctx.buffer is not None else own
 
     def before_task(self, ctx: TaskContext) -> None:
         """At the start of each task that trains (also when it resumes mid-task), before its

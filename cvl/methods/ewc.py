@@ -37,7 +37,7 @@ from cvl.methods.regularizers import (
 def task_fisher(ctx: TaskContext, model=None, max_batches: int = 0) -> list:
     """The Fisher of the base loss over the current task's training pairs (see module doc)."""
     seed = sample_seed(int(ctx.config.seed), ctx.task_index, 4242)
-    batches = task_batches(ctx, list(ctx.task_entries), seed)
+    batches = task_batches(ctx, ctx.task_entries, seed)
     return importance_pass(
         model if model is not None else ctx.model,
         batches,

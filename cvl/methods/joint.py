@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from cvl.data.index import Entries
 from cvl.errors import CvlError
 from cvl.methods.base import Method, TaskContext
 from cvl.methods.registry import register
@@ -56,12 +57,12 @@ class Joint(Method):
         if self.restarts and not ctx.first_task:  # also on resume: last/ is loaded after
             restore_initial(ctx)
 
-    def own_entries(self, ctx: TaskContext) -> list:
+    def own_entries(self, ctx: TaskContext) -> Entries:
         order = ctx.manifest.task_order
         seen = order if self.single_task else order[: ctx.task_index + 1]
-        return [e for t in seen for e in ctx.services.entries_of(t)]
+        return Entries.concat(ctx.services.entries_of(t) for t in seen)
 
-    def task_entries(self, ctx: TaskContext) -> list:
+    def task_entries(self, ctx: TaskContext) -> Entries:
         return self.own_entries(ctx)  # no replay: the union already holds every task
 
 

@@ -66,7 +66,7 @@ class MAS(ParamRegularizer):
             seed = sample_seed(int(ctx.config.seed), ctx.task_index, 4343)
             new = importance_pass(
                 ctx.model,
-                task_batches(ctx, list(ctx.task_entries), seed),
+                task_batches(ctx, ctx.task_entries, seed),
                 mas_objective,
                 ctx,
                 square=False,

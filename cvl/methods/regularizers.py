@@ -97,7 +97,8 @@ def task_batches(ctx: TaskContext, entries: list, seed: int, epoch: int = 0) -> 
         tokenize=model.tokenizer,
     )
     rank, world = acc.process_index, acc.num_processes
-    batches = global_batches(len(ds), cfg.batch_size * world, seed, epoch)
+    block = int(getattr(cfg, "shuffle_block", 1) or 1)  # the main loop's order
+    batches = global_batches(len(ds), cfg.batch_size * world, seed, epoch, block=block)
     for b in make_loader(ds, batches, rank, world, getattr(ctx.services, "workers", 0)):
         b["image"] = b["image"].to(acc.device)
         b["text"] = b["text"].to(acc.device)

@@ -37,7 +37,9 @@ def encode_jpeg(img: Image.Image, quality: int = 95) -> bytes:
 class ShardSink:
     """Writes samples into `root/rel/000000.tar, 000001.tar, ...` with at most `maxcount` each.
 
-    Tar headers carry a fixed mtime and owner so the same samples give the same bytes.
+    Tar headers carry a fixed mtime and owner so the same samples give the same bytes. Each
+    shard's index (`cvl.data.index`: member offsets, as tarfile reports them while writing)
+    is written beside it when the shard closes, so no reader ever scans the tar.
     """
 
     def __init__(self, root: Path, rel: str, maxcount: int = 10000) -> None:
@@ -58,6 +60,8 @@ class ShardSink:
         # writes no shard of its own (`build-stream compose`) never needs
 
         self._writer = wds.TarWriter(str(path), mtime=0.0, user="cvl", group="cvl", encoder=False)
+        self._log = _record_members(self._writer.tarstream)
+        self._path = path
         self.shards.append(rel)
         self._in_shard = 0
 
@@ -92,6 +96,10 @@ class ShardSink:
         if self._writer is not None:
             try:
                 self._writer.close()
+                from cvl.data.index import write_index
+
+                rows, skipped = self._log.index()
+                write_index(str(self._path), rows, skipped, self._path.stat().st_size)
             except BaseException:
                 self.abandon()
                 raise
@@ -121,6 +129,22 @@ class ShardSink:
         """Finish the last shard and describe what was written."""
         self.close_shard()
         return ShardSet(shards=list(self.shards), count=self.count)
+
+
+def _record_members(tf: Any) -> Any:
+    """A `MemberLog` fed by tarfile `tf` as it writes: the data offset of each member is the
+    stream offset after it, less its padded size (tarfile's own bookkeeping)."""
+    from cvl.data.index import MemberLog
+
+    log, add = MemberLog(), tf.addfile
+
+    def addfile(ti: Any, fileobj: Any = None, *a: Any, **kw: Any) -> None:
+        add(ti, fileobj, *a, **kw)
+        if ti.isfile():
+            log.add(ti.name, tf.offset - -(-ti.size // 512) * 512, ti.size)
+
+    tf.addfile = addfile
+    return log
 
 
 class BuildReport:

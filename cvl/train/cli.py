@@ -50,6 +50,7 @@ _OPTS = [
     "buffer_size",
     "tune",
     "workers",
+    "shuffle_block",
     "checkpoint_every",
     "log_every",
     "log_with",
@@ -245,6 +246,16 @@ _OPTS = [
     help="Loader worker processes per training process (decode + augment): -1 = auto: the "
     "usable CPUs / the node's training processes - 1 (at least 1, no upper limit); 0 = in the "
     "training process.",
+)
+@click.option(
+    "--shuffle-block",
+    type=LIMITS["shuffle_block"],
+    default=1,
+    show_default=True,
+    help="Epoch order: 1 = every sample shuffled over the task; K > 1 = shard-local: blocks of "
+    "K neighbouring samples (of one shard) are shuffled and read together, and the samples "
+    "inside each block, for storage where random reads are slow (object stores, network file "
+    "systems). The same batches on any number of processes; recorded in run.json.",
 )
 @click.option(
     "--checkpoint-every",

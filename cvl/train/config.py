@@ -61,6 +61,7 @@ class TrainConfig:
     tune: str = "full"  # which parameters train: cvl.models.tune.MODES (LoRA, BitFit, ...)
     tune_args: dict[str, Any] = field(default_factory=dict)  # rank, alpha, targets, bn_stats
     workers: int = -1  # loader processes per training process: -1 = from the CPU count, 0 = none
+    shuffle_block: int = 1  # 1 = a global shuffle; K > 1 = shard-local blocks of K (data.order)
     checkpoint_every: int = 50  # optimizer steps between mid-task checkpoints (0 = per task only)
     log_every: int = 10  # optimizer steps per train_log.jsonl line (each averages its steps)
     log_with: str = "auto"  # auto (tensorboard if installed) | tensorboard | wandb | none
@@ -229,6 +230,7 @@ LIMITS: dict[str, Num] = {
     "seed": SEED,
     "buffer_size": NON_NEGATIVE_INT,
     "workers": WORKERS,
+    "shuffle_block": POSITIVE_INT,
     "checkpoint_every": NON_NEGATIVE_INT,
     "log_every": POSITIVE_INT,
     "max_steps_per_task": NON_NEGATIVE_INT,

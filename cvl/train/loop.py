@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from cvl.data.augment import device_images, train_transform
+from cvl.data.index import Entries
 from cvl.data.mixture import build_mixture, task_data
 from cvl.data.reader import (
     PairDataset,
@@ -144,7 +145,7 @@ class Trainer(RunFolder, NonFiniteGuards):
             self.workers = default_workers(local)
         # the training forward; methods' extra passes (old models, sub-encoders) stay eager
         self._forward = torch.compile(self.model) if cfg.compile else self.model
-        self._entries: dict[str, list] = {}
+        self._entries: dict[str, Entries] = {}
         self._prev_cache: tuple[int, Any] | None = None
         self._reducer = GradReducer()  # gradients averaged over ranks during the backward
 
@@ -188,8 +189,8 @@ class Trainer(RunFolder, NonFiniteGuards):
 
     # -- services for methods and buffers ------------------------------------------------------
 
-    def entries_of(self, task: str) -> list:
-        """Training entries of a task (indexed once per run)."""
+    def entries_of(self, task: str) -> Entries:
+        """Training entries of a task (integers over its shards' on-disk indexes)."""
         if task not in self._entries:
             ds = PairDataset.from_shards(self.manifest.train_shards(task), name=f"task {task}")
             self._entries[task] = ds.entries
@@ -366,7 +367,8 @@ class Trainer(RunFolder, NonFiniteGuards):
             acc.print(f"note: no 'val' pairs for task {name}: {cfg.method} keeps the last weights")
         gb = cfg.batch_size * acc.num_processes
         seed_task = sample_seed(cfg.seed, ti)
-        data = self._task_data = task_data(self.method, self.mixture, ctx, gb, seed_task)
+        block = int(cfg.shuffle_block or 1)
+        data = self._task_data = task_data(self.method, self.mixture, ctx, gb, seed_task, block)
         ds = PairDataset(
             data.entries,
             transform=train_transform(self.model.image_size, cfg.augment, acc.device),
@@ -416,10 +418,11 @@ class Trainer(RunFolder, NonFiniteGuards):
         def plan():  # the global batches still to train, over all epochs (lazy), no more
             left = max(0, total - ctx.step) * cfg.grad_accum
             for e in range(epoch0, steps.epochs):
-                bs = data.epoch(e)[:usable]
-                take = bs[(batch0 if e == epoch0 else 0) :][:left]
-                left -= len(take)
-                yield from take
+                for b in range((batch0 if e == epoch0 else 0), usable):
+                    if left <= 0:
+                        return
+                    left -= 1
+                    yield data.batch(e, b)  # computed when the loader asks: nothing stored
 
         # one loader (one set of workers) for the whole task: they prefetch across epoch ends
         batches = iter(

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cvl.data.reader import Entry, index_shard
+from cvl.data.index import Entries, Entry, ids_of_keys
 from cvl.device import to_device
 from cvl.errors import CvlError
 
@@ -72,19 +72,20 @@ class Buffer:
     def refs(self, entries: list[Entry]) -> list[tuple[str, str]]:
         return [(self._rel(e.shard), e.key) for e in entries]
 
-    def entries(self) -> list[Entry]:
+    def entries(self) -> Entries:
         """The buffer's items as reader entries (all tasks, in task then stored order)."""
-        out: list[Entry] = []
-        cache: dict[str, dict[str, Entry]] = {}
-        for refs in self.items.values():
-            for shard, key in refs:
-                path = self._abs(shard)
-                if path not in cache:
-                    cache[path] = {e.key: e for e in index_shard(path)[0]}
-                if key not in cache[path]:
-                    raise CvlError(f"replay buffer: {path} has no sample '{key}' (stream changed?)")
-                out.append(cache[path][key])
-        return out
+        refs = [(self._abs(s), k) for rs in self.items.values() for s, k in rs]
+        by_shard: dict[str, list[int]] = {}
+        for i, (path, _) in enumerate(refs):
+            by_shard.setdefault(path, []).append(i)
+        ids = np.empty(len(refs), dtype=np.int64)
+        for path, pos in by_shard.items():
+            got = ids_of_keys(path, [refs[i][1] for i in pos])
+            if (got < 0).any():
+                key = refs[pos[int(np.flatnonzero(got < 0)[0])]][1]
+                raise CvlError(f"replay buffer: {path} has no sample '{key}' (stream changed?)")
+            ids[pos] = got
+        return Entries.of_ids(ids)
 
     def __len__(self) -> int:
         return sum(len(v) for v in self.items.values())

@@ -208,6 +208,8 @@ class PairDataset(Dataset):
             "caption": caption,
             "captions": list(captions),
             "index": j,
+            # packed (shard id, row): the sample's id in this process (`cvl.data.index`)
+            "sid": int(self.entries.ids([j])[0]) if isinstance(self.entries, Entries) else -1,
             "key": e.key,
             "shard": e.shard,
             "task": meta.get("task"),

@@ -24,6 +24,7 @@ SUBCOMMANDS = [
     ("cvl.evaluation.cli", "eval_cmd"),
     ("cvl.analysis.cli", "analyze"),
     ("cvl.info", "info"),
+    ("cvl.data.cli", "index_cmd"),
     ("cvl.methods.cli", "methods"),
     ("cvl.models.cli", "export"),
 ]

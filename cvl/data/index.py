@@ -213,8 +213,8 @@ def ensure_indexed(shards: Sequence[str]) -> list[dict[str, Any]]:
     if remote:
         raise CvlError(
             f"{remote[0]}: no index beside the shard ({index_files(remote[0])[1]}); remote "
-            "shards need their index files: index the stream where it was built "
-            "(`cvl build-stream index STREAM`) and copy them with it"
+            "shards need their index files beside them: run `cvl index STREAM` on the stream "
+            "before copying it (streams built by this cvl have them)"
         )
     by_folder: dict[str, list[str]] = {}
     for s in missing:

@@ -96,8 +96,10 @@ CACHE_VERSION = 1
 # -- locating things ----------------------------------------------------------------------
 def resolve_stream(run: Path, run_d: dict[str, Any], override: str | None) -> Path:
     """The stream folder: --stream, else run.json's path (as written, or relative to the run)."""
+    from cvl.data.index import is_remote
+
     if override:
-        return Path(override)
+        return override if is_remote(override) else Path(override)
     s = run_d.get("stream") or {}
     p = s.get("path") if isinstance(s, dict) else None
     if not p:
@@ -105,6 +107,8 @@ def resolve_stream(run: Path, run_d: dict[str, Any], override: str | None) -> Pa
         p = cfg.get("stream")
     if not p:
         raise CvlError(f"{run}/run.json names no stream; pass --stream")
+    if is_remote(p):
+        return p
     cands = [Path(p), run / p, run.parent / p]
     for c in cands:
         if (c / "stream.json").is_file():
@@ -114,7 +118,7 @@ def resolve_stream(run: Path, run_d: dict[str, Any], override: str | None) -> Pa
 
 def stream_warnings(run_d: dict[str, Any], manifest: Any) -> list[str]:
     """Why the stream evaluated may not be the one the run was trained on (both fingerprints)."""
-    from cvl.streams.manifest import MANIFEST, file_sha256
+    from cvl.streams.manifest import file_sha256, manifest_file
 
     s = run_d.get("stream") or {}
     trained = s.get("fingerprint")
@@ -125,8 +129,8 @@ def stream_warnings(run_d: dict[str, Any], manifest: Any) -> list[str]:
             f"{json.dumps(manifest.fingerprint, sort_keys=True)}"
         ]
     sha = s.get("manifest_sha256")
-    f = manifest.root / MANIFEST if manifest.root is not None else None
-    if sha and f is not None and f.is_file() and file_sha256(f) != sha:
+    f = manifest_file(manifest)
+    if sha and f is not None and file_sha256(f) != sha:
         return [
             f"{f} was rewritten since the run was trained (rebuilt in place?): same fingerprint "
             f"{json.dumps(trained, sort_keys=True)}, stream.json sha256 {sha[:12]} -> "

@@ -139,7 +139,7 @@ class Manifest:
     sources: list[dict[str, Any]] = field(default_factory=list)
     created: str = ""
     cvl_version: str = __version__
-    root: Path | None = None
+    root: Path | str | None = None  # a folder, or the URL of a served stream (str)
     class_map: dict[str, Any] | None = None
     time: dict[str, Any] | None = None
 
@@ -162,7 +162,10 @@ class Manifest:
 
     # -- paths -----------------------------------------------------------------------------
     def resolve(self, shard: str) -> Path:
-        """Absolute path of a shard entry (relative entries start at the stream folder)."""
+        """Absolute path of a shard entry (relative entries start at the stream folder); the
+        URL of the shard (a str) in a stream served at a URL."""
+        if isinstance(self.root, str):
+            return f"{self.root.rstrip('/')}/{shard}"  # type: ignore[return-value]
         p = Path(shard)
         if p.is_absolute() or self.root is None:
             return p
@@ -423,7 +426,23 @@ def load_manifest(stream: str | os.PathLike, check_files: bool = True) -> Manife
     """Load and validate `STREAM/stream.json` (or a path to the file itself).
 
     With `check_files`, every listed shard must exist: a clear error names the first missing one.
+    A stream served at a URL (`http(s)://HOST/PATH`, `s3://...`: any fsspec URL; its shards
+    are read by byte range) is read as it is: its shards are not listed up front.
     """
+    from cvl.data.index import is_remote
+
+    if is_remote(str(stream)):
+        import json
+
+        from cvl.data.remote import read_bytes
+
+        url = str(stream).rstrip("/")
+        url = url[: -len(MANIFEST) - 1] if url.endswith("/" + MANIFEST) else url
+        try:
+            d = json.loads(read_bytes(f"{url}/{MANIFEST}"))
+        except ValueError as e:
+            raise CvlError(f"{url}/{MANIFEST}: not a stream manifest ({e})") from None
+        return manifest_from_json(d, root=url)
     p = Path(stream)
     if p.is_dir():
         mpath = p / MANIFEST
@@ -501,11 +520,27 @@ def check_inside(m: Manifest) -> None:
                 )
 
 
-def file_sha256(path: Path) -> str:
-    """SHA-256 of a file (a source stream's stream.json)."""
+def file_sha256(path: Path | str) -> str:
+    """SHA-256 of a file (a source stream's stream.json), local or at a URL."""
     import hashlib
 
+    from cvl.data.index import is_remote
+
+    if is_remote(str(path)):
+        from cvl.data.remote import read_bytes
+
+        return hashlib.sha256(read_bytes(str(path))).hexdigest()
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def manifest_file(m: Manifest) -> Path | str | None:
+    """The stream.json a manifest was read from (a URL for a served stream), if any."""
+    if m.root is None:
+        return None
+    if isinstance(m.root, str):
+        return f"{m.root}/{MANIFEST}"
+    f = m.root / MANIFEST
+    return f if f.is_file() else None
 
 
 def check_sources(m: Manifest) -> None:

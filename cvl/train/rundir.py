@@ -34,12 +34,19 @@ TUNE_STATE = "tune.safetensors"  # in last/: the adapters and base weights (--tu
 BEST_MODEL = "best_model.safetensors"  # in last/: the best-on-validation weights so far
 
 
+def stream_location(stream: str | Path) -> str:
+    """run.json's stream: an absolute folder, or the URL of a served stream as given."""
+    from cvl.data.index import is_remote
+
+    return str(stream) if is_remote(str(stream)) else str(Path(stream).absolute())
+
+
 def _manifest_sha(m: Manifest) -> str | None:
     """SHA-256 of the stream's stream.json: a stream rebuilt in place changes it (`created`)."""
-    from cvl.streams.manifest import MANIFEST, file_sha256
+    from cvl.streams.manifest import file_sha256, manifest_file
 
-    f = m.root / MANIFEST if m.root is not None else None
-    return file_sha256(f) if f is not None and f.is_file() else None
+    f = manifest_file(m)
+    return file_sha256(f) if f is not None else None
 
 
 class RunFolder:
@@ -55,7 +62,7 @@ class RunFolder:
             "config": self.cfg.to_json(),
             "model": self.model.config(),
             "stream": {
-                "path": str(Path(self.cfg.stream).absolute()),
+                "path": stream_location(self.cfg.stream),
                 "name": m.name,
                 "task_order": list(m.task_order),
                 "fingerprint": m.fingerprint,

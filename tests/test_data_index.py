@@ -263,7 +263,12 @@ def test_a_stream_built_before_indexes_still_trains(tmp_path, capsys):
     for f in list(s.rglob("*.idx.*")):
         f.unlink()  # as a stream built by an earlier cvl
     idx.TABLE.__init__()
-    cli(train_argv(s, tmp_path / "run", "seqft") + ["--max-steps-per-task", "1"])
+    cli(
+        train_argv(s, tmp_path / "run", "seqft")
+        + ["--max-steps-per-task", "1", "--shuffle-block", "4"]
+    )
+    rj = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert rj["config"]["shuffle_block"] == 4  # the order is part of what a run computed
     train = s / "train"  # what training read: each indexed once
     assert len(list(train.rglob("*.idx.npy"))) == len(list(train.rglob("*.tar")))
     shutil.rmtree(tmp_path / "run")

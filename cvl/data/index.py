@@ -313,6 +313,8 @@ class _Table:
             return m
         path = self.paths[sid]
         npy = index_files(path)[0]
+        if self.counts[sid] == 0:
+            return np.zeros(0, _dtype(1))  # (numpy cannot map an empty array)
         if is_remote(path):
             import io
 
@@ -324,8 +326,6 @@ class _Table:
                 m = np.load(npy, mmap_mode="r", allow_pickle=False)
             except (OSError, ValueError) as e:
                 raise CvlError(f"{path}: cannot read its index {npy} ({e})") from None
-            if len(m) == 0:
-                m = np.load(npy, allow_pickle=False)  # numpy cannot map an empty array
         if len(m) != self.counts[sid]:
             raise CvlError(f"{path}: its index {npy} changed while in use (rebuild it)")
         self.maps[sid] = m

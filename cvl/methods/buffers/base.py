@@ -324,8 +324,10 @@ class Buffer:
                 ids[at] = ids_of_keys(path, [refs[i][1] for i in at])
             every = self.entries_of(t).all_ids()
             order = np.argsort(every, kind="stable")
+            found = np.zeros(len(ids), dtype=bool)
             j = np.minimum(np.searchsorted(every[order], ids), max(len(every) - 1, 0))
-            found = (ids >= 0) & (every[order][j] == ids) if len(every) else ids < -1
+            if len(every):
+                found = (ids >= 0) & (every[order][j] == ids)
             if not found.all():
                 shard, key = refs[int(np.flatnonzero(~found)[0])]
                 raise CvlError(

@@ -100,3 +100,17 @@ def without_key_bias(weights: dict) -> dict:
             v = torch.cat([v[:n], v[2 * n :]])
         out[k] = v
     return out
+
+
+def buffer_holding(positions, size: int = 16):
+    """A replay buffer whose task `t0` holds `positions`; t0's stand-in training entries give
+    position p the packed sample id p, so a batch row's `sid` is its position (no shard)."""
+    import numpy as np
+
+    from cvl.data.index import Entries
+    from cvl.methods.buffers import Buffer
+
+    t0 = Entries.of_ids(np.arange(max(positions) + 1, dtype=np.int64))
+    b = Buffer(size, entries_of={"t0": t0}.__getitem__)
+    b.items = {"t0": np.array(positions, dtype=np.int64)}
+    return b

@@ -6,9 +6,11 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from distill_helpers import buffer_holding
 from train_helpers import assert_same_task_weights, interrupt_then_resume, task_log, train_run
 
 from cvl.errors import CvlError
@@ -121,14 +123,20 @@ def test_masked_clip_loss_anchor_and_candidate_sets():
 
 
 def _buffer(payload: dict | None = None) -> Buffer:
-    b = Buffer(8)
-    b.items = {"t0": [("s0.tar", "k2"), ("s0.tar", "k9")]}
+    """Items: positions 2 and 9 of task t0 (a batch row's `sid` is its position in t0)."""
+    b = buffer_holding([2, 9], 8)
     if payload:
         b.set_payload(
             list(payload),
             **{k: torch.stack([p[k] for p in payload.values()]) for k in (IMAGE, TEXT)},
         )
     return b
+
+
+def _payload_keys(state: dict, name: str) -> list[tuple[str, int]]:
+    """The (task, position) of the items a saved buffer state holds payload `name` for."""
+    p = state["payload"][name]
+    return sorted(zip([p["tasks"][i] for i in p["task"].tolist()], p["pos"].tolist()))
 
 
 def _ctx(buffer, first=False, fusion=False):
@@ -141,12 +149,12 @@ def _ctx(buffer, first=False, fusion=False):
 
 
 def test_der_mse_uses_each_items_own_stored_target():
-    """The batch holds the buffer item k2 in row 2 (k9 is not in it); its stored embeddings
-    are looked up by (shard, key), not by position."""
+    """The batch holds the buffer item 2 in row 2 (item 9 is not in it); its stored embeddings
+    are looked up by the row's sample id, not by the row's index."""
     v_star, w_star = T([0.0, 1.0]), T([0.6, 0.8])
     other = {IMAGE: T([1.0, 0.0]), TEXT: T([1.0, 0.0])}
-    buf = _buffer({("s0.tar", "k9"): other, ("s0.tar", "k2"): {IMAGE: v_star, TEXT: w_star}})
-    batch = {"shard": ["s1.tar", "s1.tar", "s0.tar"], "key": ["a", "b", "k2"]}
+    buf = _buffer({("t0", 9): other, ("t0", 2): {IMAGE: v_star, TEXT: w_star}})
+    batch = {"sid": [0, 1, 2]}
     out = {"image_features": T(V), "text_features": T(W), "logit_scale": T(2.0)}
     m = DER({"alpha": 0.3})
     terms = m.loss(batch, out, _ctx(buf))
@@ -168,13 +176,13 @@ def test_der_mse_uses_each_items_own_stored_target():
 def test_buffer_payload_state_roundtrip_and_pruning(tmp_path):
     from cvl.train.checkpoint import save_state
 
-    buf = _buffer({("s0.tar", "k2"): {IMAGE: T([0.0, 1.0]), TEXT: T([0.6, 0.8])}})
-    assert buf.refs_without(IMAGE) == [("s0.tar", "k9")]
+    buf = _buffer({("t0", 2): {IMAGE: T([0.0, 1.0]), TEXT: T([0.6, 0.8])}})
+    assert buf.keys_without(IMAGE) == [("t0", 9)]
     save_state(tmp_path, "st", {"buffer": buf.state_dict()})
     b2 = Buffer(8)
     b2.load_state_dict(load_state(tmp_path, "st")["buffer"])
-    assert torch.equal(b2.payload[("s0.tar", "k2")][TEXT], T([0.6, 0.8]))
-    b2.select = lambda task, entries, feats: {"t0": [("s0.tar", "k9")]}
+    assert torch.equal(b2.payload[("t0", 2)][TEXT], T([0.6, 0.8]))
+    b2.select = lambda task, entries, feats: {"t0": np.array([9])}
     b2.update("t1", [], None)
     assert b2.payload == {}  # k2 left the buffer: its stored output goes with it
 
@@ -201,8 +209,7 @@ class _Old:
 def test_co2l_loss_anchors_current_items_only():
     buf = _buffer()
     batch = {
-        "shard": ["s1.tar", "s1.tar", "s0.tar"],
-        "key": ["a", "b", "k2"],
+        "sid": [0, 1, 2],
         "image": 0,
         "text": 0,
     }
@@ -221,8 +228,7 @@ def test_erl_relations_among_exemplars():
     assert float(relation_mse(T(X), T(V), T(XO), T(W), ex)) == pytest.approx(ERL_XV)
     buf = _buffer()
     batch = {
-        "shard": ["s0.tar", "s1.tar", "s0.tar"],
-        "key": ["k2", "b", "k9"],
+        "sid": [2, 1, 9],
         "image": 0,
         "text": 0,
     }
@@ -460,11 +466,11 @@ def test_trains_and_resumes_exactly(synth_stream, tmp_path, monkeypatch, method)
 
         pa = load_state(finished_tasks(tmp_path / "a")[2].path, "method_state")["buffer"]
         pb = load_state(finished_tasks(tmp_path / "b")[2].path, "method_state")["buffer"]
-        assert pa["payload"][IMAGE]["refs"] == pb["payload"][IMAGE]["refs"]
+        assert _payload_keys(pa, IMAGE) == _payload_keys(pb, IMAGE)
         # every item stored after tasks 0 and 1 carries its target (task 2's items would get
         # theirs before a fourth task)
-        items = [r for t in ("t0", "t1") for r in pa["items"].get(t, [])]
-        assert sorted(pa["payload"][IMAGE]["refs"]) == sorted(items) and len(items) > 0
+        items = [(t, p) for t in ("t0", "t1") for p in pa["items"].get(t, T([])).tolist()]
+        assert _payload_keys(pa, IMAGE) == sorted(items) and len(items) > 0
         assert torch.equal(pa["payload"][IMAGE]["rows"], pb["payload"][IMAGE]["rows"])
 
 
@@ -519,10 +525,9 @@ def _cross_rank(rows: slice, world: int, rank: int, stream: str) -> dict:
         )
     res["stored"] = torch.cat(embed_pairs(model, entries, acc), 1)
     g = torch.Generator().manual_seed(5)
-    buf = Buffer(16)
-    buf.items = {"t0": [("s.tar", f"k{i}") for i in EXEMPLARS]}
+    buf = buffer_holding(EXEMPLARS)
     buf.set_payload(
-        buf.items["t0"],
+        [("t0", i) for i in EXEMPLARS],
         **{
             IMAGE: F.normalize(torch.randn(5, model.embed_dim, generator=g), dim=-1),
             TEXT: F.normalize(torch.randn(5, model.embed_dim, generator=g), dim=-1),
@@ -537,13 +542,7 @@ def _cross_rank(rows: slice, world: int, rank: int, stream: str) -> dict:
     ):
         model, m, ctx, images, texts = _setup(method, args)
         ctx.task_index, ctx.buffer = 1, buf
-        keys = [f"k{i}" for i in range(16)][rows]
-        batch = {
-            "image": images[rows],
-            "text": texts[rows],
-            "shard": ["s.tar"] * len(keys),
-            "key": keys,
-        }
+        batch = {"image": images[rows], "text": texts[rows], "sid": list(range(16))[rows]}
         out = model(batch["image"], batch["text"])
         terms = m.loss(batch, out, ctx)
         sum(terms.values()).backward()
@@ -634,5 +633,6 @@ def test_der_torchrun_two_processes_store_the_same_targets(pair_runs, tmp_path):
             for r in ("one", "two")
         )
         for name in (IMAGE, TEXT):
-            assert p1[name]["refs"] == p2[name]["refs"] and len(p1[name]["refs"]) > 0
+            k1, k2 = _payload_keys({"payload": p1}, name), _payload_keys({"payload": p2}, name)
+            assert k1 == k2 and len(k1) > 0
             assert torch.allclose(p1[name]["rows"], p2[name]["rows"], atol=1e-5)

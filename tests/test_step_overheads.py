@@ -365,14 +365,12 @@ def _gather_checks(rank: int) -> dict[str, tuple[int, list]]:
     from types import SimpleNamespace
 
     import torch.nn.functional as F
-    from distill_helpers import _setup
+    from distill_helpers import _setup, buffer_holding
 
-    from cvl.methods.buffers import Buffer
     from cvl.methods.der import IMAGE, TEXT
 
     rows = slice(rank * 8, (rank + 1) * 8)
-    buf = Buffer(16)
-    buf.items = {"t0": [("s.tar", f"k{i}") for i in (1, 5, 6, 11, 12)]}
+    buf = buffer_holding([1, 5, 6, 11, 12])
     out: dict[str, tuple[int, list]] = {}
     cases = [
         ("lwf", "lwf", {}),
@@ -401,9 +399,8 @@ def _gather_checks(rank: int) -> dict[str, tuple[int, list]]:
             g = torch.Generator().manual_seed(5)
             d = model.embed_dim
             emb = {k: F.normalize(torch.randn(5, d, generator=g), dim=-1) for k in (IMAGE, TEXT)}
-            buf.set_payload(buf.items["t0"], **emb)
-        keys = [f"k{i}" for i in range(16)][rows]
-        batch = {"image": images[rows], "text": texts[rows], "shard": ["s.tar"] * 8, "key": keys}
+            buf.set_payload([("t0", int(p)) for p in buf.items["t0"]], **emb)
+        batch = {"image": images[rows], "text": texts[rows], "sid": list(range(16))[rows]}
         with _Recorder() as rec:
             fwd = model(batch["image"], batch["text"])
             terms = m.loss(batch, fwd, ctx)

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from cvl.data.index import Entries
 from cvl.data.reader import PairDataset, eval_loader
 from cvl.data.transforms import image_transform
 from cvl.errors import CvlError
@@ -45,7 +46,7 @@ IMAGE, TEXT = "der_image", "der_text"
 
 
 @torch.no_grad()
-def embed_pairs(model: Any, entries: list, accelerator: Any, batch_size: int = 256):
+def embed_pairs(model: Any, entries: Entries, accelerator: Any, batch_size: int = 256):
     """(v, w): normalised image and text embeddings of `entries` (evaluation transform), in
     order, computed in parts by all ranks and gathered (every rank gets all rows)."""
     from cvl.evaluation.embed import _gather_rows
@@ -87,11 +88,10 @@ class DER(Method):
         The model here is still that task's final model (nothing trained yet; on resume the
         mid-task weights are loaded after this hook), i.e. the model at storage time.
         """
-        missing = ctx.buffer.refs_without(IMAGE)
+        missing = ctx.buffer.keys_without(IMAGE)
         if not missing:
             return
-        by_ref = {ctx.buffer.ref_of(e.shard, e.key): e for e in ctx.buffer.entries()}
-        v, w = embed_pairs(ctx.model, [by_ref[r] for r in missing], ctx.accelerator)
+        v, w = embed_pairs(ctx.model, ctx.buffer.entries_at(missing), ctx.accelerator)
         ctx.buffer.set_payload(missing, **{IMAGE: v, TEXT: w})
 
     def loss(

@@ -210,7 +210,7 @@ class Trainer(RunFolder, NonFiniteGuards):
         return self._prev_cache[1]
 
     @torch.no_grad()
-    def pair_features(self, entries: list, batch_size: int = 256) -> torch.Tensor:
+    def pair_features(self, entries: Entries, batch_size: int = 256) -> torch.Tensor:
         """One feature per pair for buffer selection: fusion CLS, else normalise(v + w)."""
         model = self.model
         ds = PairDataset(entries, image_transform(model.image_size, train=False), model.tokenizer)
@@ -256,7 +256,9 @@ class Trainer(RunFolder, NonFiniteGuards):
         if cfg.buffer:
             from cvl.methods.buffers import build_buffer
 
-            buffer = build_buffer(cfg.buffer, cfg.buffer_size, cfg.seed, self.manifest.root)
+            buffer = build_buffer(
+                cfg.buffer, cfg.buffer_size, cfg.seed, self.manifest.root, self.entries_of
+            )
         ctx = TaskContext(
             model=self.model,
             accelerator=acc,

@@ -2,22 +2,33 @@
 
 Kept apart from the package's `__init__` so that the buffer modules (ring, reservoir, ...) can
 import their base without importing the package that imports them (no import cycle).
+
+Items are integers: per task, the positions (int64, stored order) of the kept samples in the
+task's training `Entries` (the trainer's `entries_of(task)`: every usable sample of the task's
+shards in manifest order, the same in every run and resume), or `Whole(n)` for all n of them
+(`cumulative-all`: no array). Membership of a batch's samples (`in_buffer`, `payload_rows`)
+is a binary search of their packed ids (`batch["sid"]`) in a sorted array of the items' ids,
+built once per buffer content. Payloads are keyed by (task, position).
 """
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from cvl.data.index import Entries, Entry, ids_of_keys
+from cvl.data.index import Entries, ids_of_keys
 from cvl.device import to_device
 from cvl.errors import CvlError
 
 BUFFERS: dict[str, type] = {}
+
+#: an item: (task, position in the task's training entries)
+Key = tuple[str, int]
 
 
 def register_buffer(name: str):
@@ -39,52 +50,75 @@ def quotas_by_size(sizes: dict[str, int], capacity: int) -> dict[str, int]:
     return q
 
 
+@dataclass(frozen=True)
+class Whole:
+    """All n samples of a task, in order (Cumulative-All): positions 0..n-1, no array."""
+
+    n: int
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def positions(held: np.ndarray | Whole) -> np.ndarray:
+    """A task's item positions as an array (`Whole` materialised)."""
+    return np.arange(held.n, dtype=np.int64) if isinstance(held, Whole) else held
+
+
 class Buffer:
-    """Base class: per-task ordered lists of (shard, key) references."""
+    """Base class: per task, the positions of its kept samples (module doc)."""
 
     name = "base"
 
     def __init__(
-        self, size: int, seed: int = 0, stream_root: str | os.PathLike | None = None
+        self,
+        size: int,
+        seed: int = 0,
+        stream_root: str | os.PathLike | None = None,
+        entries_of: Callable[[str], Entries] | None = None,
     ) -> None:
         if size <= 0:
             raise CvlError(f"--buffer-size must be positive, got {size}")
         self.size = size
         self.seed = seed
-        self.root = Path(stream_root) if stream_root else None
-        self.items: dict[str, list[tuple[str, str]]] = {}
+        self.root = str(stream_root) if stream_root else None  # old states' relative shards
+        self.resolve = entries_of  # task -> its training entries (set by the trainer)
+        self.items: dict[str, np.ndarray | Whole] = {}
         self.sizes: dict[str, int] = {}  # training-set size of each task seen
-        self.payload: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+        self.payload: dict[Key, dict[str, torch.Tensor]] = {}
+        self._given: dict[str, Entries] = {}  # the entries `update` was given, per task
+        self._members: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
-    # -- references --------------------------------------------------------------------------
-    def _rel(self, shard: str) -> str:
-        if self.root is not None:
-            try:
-                return str(Path(shard).relative_to(self.root.absolute()))
-            except ValueError:
-                pass
-        return str(shard)
-
-    def _abs(self, shard: str) -> str:
-        p = Path(shard)
-        return str(p if p.is_absolute() or self.root is None else self.root.absolute() / p)
-
-    def refs(self, entries: list[Entry]) -> list[tuple[str, str]]:
-        return [(self._rel(e.shard), e.key) for e in entries]
+    # -- items as samples --------------------------------------------------------------------
+    def entries_of(self, task: str) -> Entries:
+        """Task `task`'s training entries (those its positions index)."""
+        if task in self._given:
+            return self._given[task]
+        if self.resolve is None:
+            raise CvlError(f"replay buffer: no training entries known for task '{task}'")
+        e = self.resolve(task)
+        if task in self.sizes and len(e) != self.sizes[task]:
+            raise CvlError(
+                f"replay buffer: task '{task}' has {len(e)} training samples, the buffer was "
+                f"built on {self.sizes[task]} (stream changed?)"
+            )
+        return e
 
     def entries(self) -> Entries:
         """The buffer's items as reader entries (all tasks, in task then stored order)."""
-        refs = [(self._abs(s), k) for rs in self.items.values() for s, k in rs]
-        by_shard: dict[str, list[int]] = {}
-        for i, (path, _) in enumerate(refs):
-            by_shard.setdefault(path, []).append(i)
-        ids = np.empty(len(refs), dtype=np.int64)
-        for path, pos in by_shard.items():
-            got = ids_of_keys(path, [refs[i][1] for i in pos])
-            if (got < 0).any():
-                key = refs[pos[int(np.flatnonzero(got < 0)[0])]][1]
-                raise CvlError(f"replay buffer: {path} has no sample '{key}' (stream changed?)")
-            ids[pos] = got
+        return Entries.concat(
+            self.entries_of(t) if isinstance(h, Whole) else self.entries_of(t).take(h)
+            for t, h in self.items.items()
+        )
+
+    def entries_at(self, keys: Sequence[Key]) -> Entries:
+        """The samples of items `keys`, in that order."""
+        tasks = np.array([t for t, _ in keys], dtype=object)
+        pos = np.array([p for _, p in keys], dtype=np.int64)
+        ids = np.empty(len(keys), dtype=np.int64)
+        for t in dict.fromkeys(tasks.tolist()):
+            sel = tasks == t
+            ids[sel] = self.entries_of(t).ids(pos[sel])
         return Entries.of_ids(ids)
 
     def __len__(self) -> int:
@@ -93,11 +127,50 @@ class Buffer:
     def rng(self, task_index: int) -> np.random.Generator:
         return np.random.default_rng([self.seed, 991, task_index])
 
+    # -- membership --------------------------------------------------------------------------
+    def _index(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(sorted packed ids of the items, their item numbers in `entries()` order, the
+        tasks' first item numbers); built once per buffer content (16 B an item)."""
+        if self._members is None:
+            ids = [
+                self.entries_of(t).ids(positions(h)) if len(h) else np.zeros(0, np.int64)
+                for t, h in self.items.items()
+            ]
+            flat = np.concatenate(ids) if ids else np.zeros(0, np.int64)
+            order = np.argsort(flat, kind="stable")
+            starts = np.cumsum([0] + [len(h) for h in self.items.values()])
+            self._members = (flat[order], order, starts)
+        return self._members
+
+    def item_numbers(self, sids: Any) -> np.ndarray:
+        """Per packed sample id: its item number in `entries()` order, -1 if not an item."""
+        ids, order, _ = self._index()
+        q = np.asarray(sids, dtype=np.int64).reshape(-1)
+        if not len(ids):
+            return np.full(len(q), -1, dtype=np.int64)
+        at = np.minimum(np.searchsorted(ids, q), len(ids) - 1)
+        return np.where(ids[at] == q, order[at], -1)
+
+    def _key(self, i: int) -> Key:
+        """(task, position) of item number i."""
+        starts = self._index()[2]
+        k = int(np.searchsorted(starts, i, side="right")) - 1
+        t = list(self.items)[k]
+        h = self.items[t]
+        j = i - int(starts[k])
+        return t, j if isinstance(h, Whole) else int(h[j])
+
+    def in_buffer(self, batch: dict[str, Any], device: Any = None) -> torch.Tensor:
+        """Bool per batch row: the sample is one of the buffer's items (a replayed pair)."""
+        mask = torch.from_numpy(self.item_numbers(batch["sid"]) >= 0)
+        return mask if device is None else to_device(mask, device)  # no host sync
+
     # -- selection ---------------------------------------------------------------------------
-    def update(self, task: str, entries: list[Entry], ctx: Any) -> None:
+    def update(self, task: str, entries: Entries, ctx: Any) -> None:
         """Add task `task` (its training entries) after it finished; called on every rank."""
         from accelerate.utils import broadcast_object_list
 
+        self._given[task] = entries
         self.sizes[task] = len(entries)
         # Features are a collective computation (every rank embeds its part): all ranks join.
         feats = (
@@ -111,53 +184,19 @@ class Buffer:
             broadcast_object_list(box, from_process=0)
             new = box[0]
         self.items = new
-        kept = {r for refs in self.items.values() for r in refs}
-        self.payload = {r: v for r, v in self.payload.items() if r in kept}
+        self._members = None
+        keys = list(self.payload)
+        self.payload = {k: self.payload[k] for k, kept in zip(keys, self._held(keys)) if kept}
 
-    # -- per-item payload --------------------------------------------------------------------
-    def ref_of(self, shard: str, key: str) -> tuple[str, str]:
-        """The buffer's reference of a sample read from `shard` (absolute or relative)."""
-        return (self._rel(shard), key)
-
-    def refs_without(self, name: str) -> list[tuple[str, str]]:
-        """Items (in `entries()` order) that carry no payload `name` yet."""
-        return [
-            r for refs in self.items.values() for r in refs if name not in self.payload.get(r, {})
-        ]
-
-    def set_payload(self, refs: list[tuple[str, str]], **tensors: torch.Tensor) -> None:
-        """Attach row i of each tensor to item refs[i] (kept on CPU)."""
-        for name, t in tensors.items():
-            if t.shape[0] != len(refs):
-                raise ValueError(f"payload '{name}': {t.shape[0]} rows for {len(refs)} items")
-        for i, r in enumerate(refs):
-            d = self.payload.setdefault(tuple(r), {})
-            for name, t in tensors.items():
-                d[name] = t[i].detach().cpu().clone()
-
-    def payload_rows(
-        self, batch: dict[str, Any], name: str, like: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mask, rows): which batch rows are buffer items carrying payload `name`, and that
-        payload stacked (zeros elsewhere), on `like`'s device and dtype."""
-        mask, rows = [], []
-        for shard, key in zip(batch["shard"], batch["key"]):
-            p = self.payload.get(self.ref_of(shard, key), {}).get(name)
-            mask.append(p is not None)
-            rows.append(p if p is not None else None)
-        shape = next((r.shape for r in rows if r is not None), like.shape[1:])
-        stacked = torch.stack([r if r is not None else torch.zeros(shape) for r in rows])
-        m = to_device(torch.tensor(mask, dtype=torch.bool), like.device)  # no host sync
-        return m, to_device(stacked, like.device).to(like.dtype)
-
-    def in_buffer(self, batch: dict[str, Any], device: Any = None) -> torch.Tensor:
-        """Bool per batch row: the sample is one of the buffer's items (a replayed pair)."""
-        kept = {r for refs in self.items.values() for r in refs}
-        mask = torch.tensor(
-            [self.ref_of(s, k) in kept for s, k in zip(batch["shard"], batch["key"])],
-            dtype=torch.bool,
-        )
-        return mask if device is None else to_device(mask, device)  # no host sync
+    def _held(self, keys: Sequence[Key]) -> np.ndarray:
+        """Bool per (task, position): it is one of the buffer's items."""
+        tasks = np.array([t for t, _ in keys], dtype=object)
+        pos = np.array([p for _, p in keys], dtype=np.int64)
+        out = np.zeros(len(keys), dtype=bool)
+        for t, h in self.items.items():
+            sel = tasks == t
+            out[sel] = pos[sel] < h.n if isinstance(h, Whole) else np.isin(pos[sel], h)
+        return out
 
     #: selection needs features (k-means, herding): compute once on rank 0 and broadcast.
     rank0_only = True
@@ -166,44 +205,141 @@ class Buffer:
     unbounded = False
 
     def select(
-        self, task: str, entries: list[Entry], feats: Any
-    ) -> dict[str, list[tuple[str, str]]]:
+        self, task: str, entries: Entries, feats: np.ndarray | None
+    ) -> dict[str, np.ndarray | Whole]:
+        """The buffer after task `task`: per task, positions in its training entries."""
         raise NotImplementedError
 
+    # -- per-item payload --------------------------------------------------------------------
+    def keys_without(self, name: str) -> list[Key]:
+        """Items (in `entries()` order) that carry no payload `name` yet."""
+        out: list[Key] = []
+        for t, h in self.items.items():
+            have = [p for (u, p), v in self.payload.items() if u == t and name in v]
+            p = positions(h)
+            out += [(t, int(q)) for q in p[~np.isin(p, np.array(have, dtype=np.int64))]]
+        return out
+
+    def set_payload(self, keys: Sequence[Key], **tensors: torch.Tensor) -> None:
+        """Attach row i of each tensor to item keys[i] (kept on CPU)."""
+        for name, t in tensors.items():
+            if t.shape[0] != len(keys):
+                raise ValueError(f"payload '{name}': {t.shape[0]} rows for {len(keys)} items")
+        for i, (task, p) in enumerate(keys):
+            d = self.payload.setdefault((str(task), int(p)), {})
+            for name, t in tensors.items():
+                d[name] = t[i].detach().cpu().clone()
+
+    def payload_rows(
+        self, batch: dict[str, Any], name: str, like: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mask, rows): which batch rows are buffer items carrying payload `name`, and that
+        payload stacked (zeros elsewhere), on `like`'s device and dtype."""
+        rows = [
+            self.payload.get(self._key(int(i)), {}).get(name) if i >= 0 else None
+            for i in self.item_numbers(batch["sid"])
+        ]
+        shape = next((r.shape for r in rows if r is not None), like.shape[1:])
+        stacked = torch.stack([r if r is not None else torch.zeros(shape) for r in rows])
+        mask = torch.tensor([r is not None for r in rows], dtype=torch.bool)
+        return to_device(mask, like.device), to_device(stacked, like.device).to(like.dtype)
+
+    # -- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        """Items as int64 tensors (safetensors; `{"all": n}` for a whole task), the rest JSON."""
         return {
             "name": self.name,
             "size": self.size,
-            "items": {t: [list(r) for r in refs] for t, refs in self.items.items()},
+            "items": {
+                t: {"all": h.n} if isinstance(h, Whole) else torch.from_numpy(np.array(h))
+                for t, h in self.items.items()
+            },
             "sizes": dict(self.sizes),
             **self._payload_state(),
             **self.extra_state(),
         }
 
     def _payload_state(self) -> dict[str, Any]:
-        """Payload as one stacked tensor per name (safetensors) + the item order (JSON)."""
+        """Per payload name: the items' task numbers (in `tasks`) and positions, and the rows
+        stacked (safetensors)."""
         if not self.payload:
             return {}
-        refs = sorted(self.payload)
+        keys = sorted(self.payload)
+        tasks = list(dict.fromkeys(t for t, _ in keys))
         names = sorted({n for v in self.payload.values() for n in v})
         out: dict[str, Any] = {"payload": {}}
         for n in names:
-            have = [r for r in refs if n in self.payload[r]]
+            have = [k for k in keys if n in self.payload[k]]
             out["payload"][n] = {
-                "refs": [list(r) for r in have],
-                "rows": torch.stack([self.payload[r][n] for r in have]),
+                "tasks": tasks,
+                "task": torch.tensor([tasks.index(t) for t, _ in have], dtype=torch.int64),
+                "pos": torch.tensor([p for _, p in have], dtype=torch.int64),
+                "rows": torch.stack([self.payload[k][n] for k in have]),
             }
         return out
 
     def extra_state(self) -> dict[str, Any]:
         return {}
 
+    def load_extra_state(self, d: dict[str, Any], refs: dict[tuple[str, str], Key]) -> None:
+        """A subclass's part of `load_state_dict`; `refs` maps an earlier cvl's (shard, key)
+        to (task, position) (empty for a current state)."""
+
     def load_state_dict(self, d: dict[str, Any]) -> None:
-        self.items = {t: [tuple(r) for r in refs] for t, refs in d["items"].items()}
+        """Load a state of `state_dict`, or of an earlier cvl (items as [shard, key] lists:
+        converted to positions in the tasks' training entries)."""
         self.sizes = dict(d.get("sizes", {}))
+        self._members = None
         self.payload = {}
+        items = d["items"]
+        old = any(isinstance(v, list) for v in items.values())
+        where = self._positions_of_refs(items) if old else {}
+        if old:
+            self.items = {t: _int64([where[tuple(r)][1] for r in rs]) for t, rs in items.items()}
+        else:
+            self.items = {
+                t: Whole(int(v["all"])) if isinstance(v, dict) else _int64(v)
+                for t, v in items.items()
+            }
         for n, p in (d.get("payload") or {}).items():
-            self.set_payload([tuple(r) for r in p["refs"]], **{n: p["rows"]})
+            if "refs" in p:  # an earlier cvl's payload: keyed by (shard, key)
+                keys = [where[tuple(r)] for r in p["refs"]]
+            else:
+                keys = [(p["tasks"][int(i)], int(q)) for i, q in zip(p["task"], p["pos"])]
+            self.set_payload(keys, **{n: p["rows"]})
+        self.load_extra_state(d, where)
+
+    def _positions_of_refs(self, items: dict[str, list]) -> dict[tuple[str, str], Key]:
+        """(shard, key) -> (task, position) of an earlier cvl's items (shards relative to the
+        stream folder, or absolute); a sample no longer in its task's data is an error."""
+        out: dict[tuple[str, str], Key] = {}
+        for t, refs in items.items():
+            refs = [tuple(r) for r in refs]
+            ids = np.empty(len(refs), dtype=np.int64)
+            by_shard: dict[str, list[int]] = {}
+            for i, (shard, _) in enumerate(refs):
+                by_shard.setdefault(shard, []).append(i)
+            for shard, at in by_shard.items():
+                path = os.path.abspath(os.path.join(self.root or "", shard))
+                ids[at] = ids_of_keys(path, [refs[i][1] for i in at])
+            every = self.entries_of(t).all_ids()
+            order = np.argsort(every, kind="stable")
+            found = np.zeros(len(ids), dtype=bool)
+            j = np.minimum(np.searchsorted(every[order], ids), max(len(every) - 1, 0))
+            if len(every):
+                found = (ids >= 0) & (every[order][j] == ids)
+            if not found.all():
+                shard, key = refs[int(np.flatnonzero(~found)[0])]
+                raise CvlError(
+                    f"replay buffer: task '{t}' has no training sample '{key}' in {shard} "
+                    "(stream changed?)"
+                )
+            out.update(zip(refs, ((t, int(p)) for p in order[j])))
+        return out
+
+
+def _int64(t: Any) -> np.ndarray:
+    return (t.numpy() if isinstance(t, torch.Tensor) else np.asarray(t)).astype(np.int64)
 
 
 def _rank(ctx: Any) -> int:

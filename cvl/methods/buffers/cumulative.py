@@ -24,11 +24,12 @@ step's items are a random sample of its training pairs. The budget is in samples
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
-from cvl.data.reader import Entry
-from cvl.methods.buffers.base import Buffer, register_buffer
+import numpy as np
+
+from cvl.data.index import Entries
+from cvl.methods.buffers.base import Buffer, Whole, register_buffer
 from cvl.methods.buffers.ring import QuotaBuffer
 
 
@@ -39,16 +40,18 @@ class CumulativeAll(Buffer):
     rank0_only = False
     unbounded = True  # --buffer-size is not used
 
-    def __init__(
-        self, size: int = 0, seed: int = 0, stream_root: str | os.PathLike | None = None
-    ) -> None:
-        super().__init__(max(1, size), seed=seed, stream_root=stream_root)
-        self.size = 0  # no capacity: everything is kept
+    def __init__(self, size: int = 0, seed: int = 0, **kw: Any) -> None:
+        super().__init__(max(1, size), seed=seed, **kw)
+        self.size = 0  # no capacity: everything is kept (a task as `Whole`: no array)
 
-    def select(
-        self, task: str, entries: list[Entry], feats: Any
-    ) -> dict[str, list[tuple[str, str]]]:
-        return {**self.items, task: self.refs(entries)}
+    def select(self, task: str, entries: Entries, feats: Any) -> dict[str, np.ndarray | Whole]:
+        return {**self.items, task: Whole(len(entries))}
+
+    def load_extra_state(self, d: dict[str, Any], refs: dict) -> None:
+        """An earlier cvl's state listed every sample: a whole task again (no array)."""
+        for t, h in self.items.items():
+            if not isinstance(h, Whole) and np.array_equal(h, np.arange(self.sizes.get(t, -1))):
+                self.items[t] = Whole(len(h))
 
 
 @register_buffer("cumulative-equal")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cvl.data.reader import Entry
+from cvl.data.index import Entries
 from cvl.methods.buffers.base import Buffer, quotas_by_size, register_buffer
 
 
@@ -20,19 +20,18 @@ class KMeansBuffer(Buffer):
     needs_features = True
 
     def select(
-        self, task: str, entries: list[Entry], feats: np.ndarray | None
-    ) -> dict[str, list[tuple[str, str]]]:
+        self, task: str, entries: Entries, feats: np.ndarray | None
+    ) -> dict[str, np.ndarray]:
         from sklearn.cluster import KMeans
 
         quotas = quotas_by_size(self.sizes, self.size)
-        out = {t: refs[: quotas[t]] for t, refs in self.items.items()}
+        out = {t: held[: quotas[t]] for t, held in self.items.items()}
         k = min(quotas[task], len(entries))
         if k == 0:
-            out[task] = []
+            out[task] = np.zeros(0, dtype=np.int64)
             return out
         km = KMeans(n_clusters=k, n_init=3, random_state=self.seed).fit(feats)
         counts = np.bincount(km.labels_, minlength=k)
-        refs = self.refs(entries)
         chosen: list[int] = []
         for c in np.argsort(-counts, kind="stable"):
             members = np.flatnonzero(km.labels_ == c)
@@ -40,5 +39,5 @@ class KMeansBuffer(Buffer):
                 continue
             d = ((feats[members] - km.cluster_centers_[c]) ** 2).sum(1)
             chosen.append(int(members[np.argmin(d)]))
-        out[task] = [refs[i] for i in chosen]
+        out[task] = np.array(chosen, dtype=np.int64)
         return out

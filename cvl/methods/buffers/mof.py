@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cvl.data.reader import Entry
+from cvl.data.index import Entries
 from cvl.methods.buffers.base import Buffer, quotas_by_size, register_buffer
 
 
@@ -38,11 +38,10 @@ class MoFBuffer(Buffer):
     needs_features = True
 
     def select(
-        self, task: str, entries: list[Entry], feats: np.ndarray | None
-    ) -> dict[str, list[tuple[str, str]]]:
+        self, task: str, entries: Entries, feats: np.ndarray | None
+    ) -> dict[str, np.ndarray]:
         quotas = quotas_by_size(self.sizes, self.size)
-        out = {t: refs[: quotas[t]] for t, refs in self.items.items()}
+        out = {t: held[: quotas[t]] for t, held in self.items.items()}
         k = min(quotas[task], len(entries))
-        refs = self.refs(entries)
-        out[task] = [refs[i] for i in herding_order(feats, k)] if k else []
+        out[task] = np.array(herding_order(feats, k) if k else [], dtype=np.int64)
         return out

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from cvl.data.reader import Entry
-from cvl.methods.buffers.base import Buffer, register_buffer
+import numpy as np
+import torch
+
+from cvl.data.index import Entries
+from cvl.methods.buffers.base import Buffer, Key, register_buffer
 
 
 @register_buffer("reservoir")
@@ -16,32 +19,57 @@ class Reservoir(Buffer):
 
     def __init__(self, *a: Any, **kw: Any) -> None:
         super().__init__(*a, **kw)
-        self.slots: list[tuple[str, str, str]] = []  # (task, shard, key)
+        # slot i holds position slot_pos[i] of task slot_tasks[slot_task[i]]
+        self.slot_tasks: list[str] = []
+        self.slot_task = np.zeros(0, dtype=np.int64)
+        self.slot_pos = np.zeros(0, dtype=np.int64)
         self.n_seen = 0
 
-    def select(
-        self, task: str, entries: list[Entry], feats: Any
-    ) -> dict[str, list[tuple[str, str]]]:
+    def select(self, task: str, entries: Entries, feats: Any) -> dict[str, np.ndarray]:
+        """Algorithm R, vectorised: the same draws as one `rng.integers(0, n_seen)` per item
+        once the slots are full (numpy draws an array of bounds element by element)."""
         rng = self.rng(len(self.sizes))
-        refs = self.refs(entries)
-        for i in rng.permutation(len(refs)):
-            self.n_seen += 1
-            item = (task, *refs[i])
-            if len(self.slots) < self.size:
-                self.slots.append(item)
-            else:
-                j = int(rng.integers(0, self.n_seen))
-                if j < self.size:
-                    self.slots[j] = item
-        out: dict[str, list[tuple[str, str]]] = {}
-        for t, shard, key in self.slots:
-            out.setdefault(t, []).append((shard, key))
-        return out
+        order = rng.permutation(len(entries))
+        k = len(self.slot_tasks)
+        self.slot_tasks.append(task)
+        fill = min(self.size - len(self.slot_pos), len(order))
+        self.slot_pos = np.concatenate([self.slot_pos, order[:fill]])
+        self.slot_task = np.concatenate([self.slot_task, np.full(fill, k, dtype=np.int64)])
+        rest = order[fill:]
+        seen = self.n_seen + fill + 1 + np.arange(len(rest), dtype=np.int64)
+        self.n_seen += len(order)
+        j = rng.integers(0, seen) if len(rest) else np.zeros(0, dtype=np.int64)
+        hit = j < self.size
+        j, rest = j[hit], rest[hit]
+        _, last = np.unique(j[::-1], return_index=True)  # a slot keeps its last replacement
+        win = len(j) - 1 - last
+        self.slot_pos[j[win]] = rest[win]
+        self.slot_task[j[win]] = k
+        _, first = np.unique(self.slot_task, return_index=True)
+        return {  # per task its slots' items, tasks in the order of their first slot
+            self.slot_tasks[i]: self.slot_pos[self.slot_task == i]
+            for i in self.slot_task[np.sort(first)].tolist()
+        }
 
     def extra_state(self) -> dict[str, Any]:
-        return {"slots": [list(s) for s in self.slots], "n_seen": self.n_seen}
+        return {
+            "slots": {
+                "tasks": list(self.slot_tasks),
+                "task": torch.from_numpy(self.slot_task.copy()),
+                "pos": torch.from_numpy(self.slot_pos.copy()),
+            },
+            "n_seen": self.n_seen,
+        }
 
-    def load_state_dict(self, d: dict[str, Any]) -> None:
-        super().load_state_dict(d)
-        self.slots = [tuple(s) for s in d.get("slots", [])]
+    def load_extra_state(self, d: dict[str, Any], refs: dict[tuple[str, str], Key]) -> None:
+        slots = d.get("slots", [])
+        if isinstance(slots, list):  # an earlier cvl's [task, shard, key] per slot
+            self.slot_tasks = list(dict.fromkeys([*self.sizes, *(s[0] for s in slots)]))
+            keys = [refs[(s[1], s[2])] for s in slots]
+            self.slot_task = np.array([self.slot_tasks.index(t) for t, _ in keys], np.int64)
+            self.slot_pos = np.array([p for _, p in keys], dtype=np.int64)
+        else:
+            self.slot_tasks = list(slots["tasks"])
+            self.slot_task = slots["task"].numpy().astype(np.int64)
+            self.slot_pos = slots["pos"].numpy().astype(np.int64)
         self.n_seen = int(d.get("n_seen", 0))

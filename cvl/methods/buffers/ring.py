@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from cvl.data.reader import Entry
-from cvl.methods.buffers.base import Buffer, register_buffer
+import numpy as np
+
+from cvl.data.index import Entries
+from cvl.methods.buffers.base import Buffer, positions, register_buffer
 
 
 class QuotaBuffer(Buffer):
@@ -25,18 +27,15 @@ class QuotaBuffer(Buffer):
         holds now, `n_new` = the new task's training items (len(self.sizes) tasks seen)."""
         raise NotImplementedError
 
-    def select(
-        self, task: str, entries: list[Entry], feats: Any
-    ) -> dict[str, list[tuple[str, str]]]:
+    def select(self, task: str, entries: Entries, feats: Any) -> dict[str, np.ndarray]:
         rng = self.rng(len(self.sizes))
-        old, new = self.quotas({t: len(r) for t, r in self.items.items()}, len(entries))
+        old, new = self.quotas({t: len(h) for t, h in self.items.items()}, len(entries))
         out = {}
-        for t, refs in self.items.items():
-            keep = sorted(rng.choice(len(refs), size=min(old[t], len(refs)), replace=False))
-            out[t] = [refs[i] for i in keep]
-        refs = self.refs(entries)
-        pick = rng.choice(len(refs), size=min(new, len(refs)), replace=False)
-        out[task] = [refs[i] for i in pick]
+        for t, held in self.items.items():
+            held = positions(held)
+            keep = np.sort(rng.choice(len(held), size=min(old[t], len(held)), replace=False))
+            out[t] = held[keep]
+        out[task] = rng.choice(len(entries), size=min(new, len(entries)), replace=False)
         return out
 
 

@@ -457,7 +457,7 @@ def test_trains_and_resumes_exactly(synth_stream, tmp_path, monkeypatch, method)
     for t in terms:
         assert (t in logs[0][-1]) == (method == "zscl")
         assert all(t in r for log in logs[1:] for r in log)
-        assert logs[2][-1][t] > 0
+        assert max(r[t] for r in logs[2]) > 0  # active in task 2 (a window may hold no item)
     pos = interrupt_then_resume(train, CLS[method], tmp_path / "b", monkeypatch)
     assert (pos["task_index"], pos["step"]) == (1, 2)
     assert_same_task_weights(tmp_path / "a", tmp_path / "b")

@@ -194,3 +194,26 @@ def test_protocol_command_builds_x_tail_shape(tmp_path):
         build_protocol("x-tail", tmp_path / "out", _opts(tmp_path / "out"), data=tmp_path)
     with pytest.raises(CvlError, match="pass --data"):
         build_protocol("mtil", tmp_path / "out", _opts(tmp_path / "out"))
+
+
+def test_dataset_names_are_names_not_paths(tmp_path, capsys):
+    """`--datasets shapes/../colors` would read colors/ as 'shapes_.._colors', `../x` a folder
+    outside --data: a dataset is a name, refused with one line before anything is read."""
+    from cvl.cli import main
+
+    data = tmp_path / "data"
+    for name in ("shapes", "colors"):
+        image_folders(data, name, {"a": (1, 1), "b": (1, 1)})
+    image_folders(tmp_path, "x", {"a": (1, 1), "b": (1, 1)})  # beside --data, not in it
+    for bad in ("shapes/../colors", "../x", str(data / "colors"), "..", "~", "a\\b"):
+        with pytest.raises(CvlError, match="a dataset is a name"):
+            build_classification(data, ["shapes", bad], _opts(tmp_path / "s"))
+        assert not (tmp_path / "s").exists()
+    argv = ["build-stream", "classification", "--data", str(data), "--out", str(tmp_path / "s")]
+    assert main([*argv, "--datasets", "shapes,../x", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --datasets '../x': a dataset is a name") and "\n" not in err
+    assert build_classification(data, ["shapes", "colors"], _opts(tmp_path / "s")).task_order == [
+        "shapes",
+        "colors",
+    ]

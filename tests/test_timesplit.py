@@ -216,3 +216,50 @@ def test_time_split_of_webdataset_shards(tmp_path):
 
     ((_, cap, meta),) = [PairDataset.from_shards(m.train_shards("2016")).read_raw(0)]
     assert cap.startswith("pic ") and meta["timestamp"].startswith("2016")
+
+
+# -- issue 47: time units mean what they say -------------------------------------------------------
+@pytest.mark.parametrize(
+    "cell, value, want",
+    [
+        ("2019.0", 2019.0, dt.datetime(2019, 1, 1)),  # a 4-digit number: a year
+        ("201903.0", 201903.0, dt.datetime(2019, 3, 1)),
+        ("-86400", -86400, dt.datetime(1969, 12, 31)),  # negative: Unix seconds
+        ("-1.5", -1.5, dt.datetime(1969, 12, 31, 23, 59, 58, 500000)),
+        ("1394000000.5", 1394000000.5, dt.datetime(2014, 3, 5, 6, 13, 20, 500000)),
+        ("1.3940e9", 1.394e9, dt.datetime(2014, 3, 5, 6, 13, 20)),
+    ],
+)
+def test_a_number_in_a_csv_cell_is_the_same_date_as_in_json(cell, value, want):
+    """The docs: 4/6/8-digit numbers are YYYY/YYYYMM/YYYYMMDD, any other number Unix seconds,
+    whether JSON gives the number or a CSV cell its text (was: bad_date for the text)."""
+    assert parse_time(cell) == parse_time(value) == want
+
+
+def test_an_upper_bound_means_the_end_of_the_period_it_names(tmp_path):
+    """--period month: `--first-until 2014` merges all of 2014 (12 months, named by what it
+    spans), `--until 2015` keeps December 2015, `--since 2014` starts in January (was: the
+    first task 2014-01 alone and everything after 2015-01 dropped)."""
+    rows = [f"{y}-{mo:02d}-10" for y in (2014, 2015, 2016) for mo in (1, 6, 12)]
+    m, rep, _ = _build(
+        tmp_path, rows, "--period", "month", "--first-until", "2014", "--until", "2015"
+    )
+    assert m.task_order == ["2014-01-2014-12", "2015-01", "2015-06", "2015-12"]
+    assert m.time["tasks"]["2014-01-2014-12"] == ["2014-01", "2014-06", "2014-12"]
+    assert rep["dropped"] == {"after_until": 3}
+    q = Periods.make("quarter", None)
+    assert q.key_of_label("2016", "--until", end=True) == (2016, 4)
+    assert q.key_of_label("2016", "--since") == (2016, 1)
+    assert Periods.make("month", None).key_of_label("2016-Q2", "--until", end=True) == (2016, 6)
+
+
+def test_a_merged_task_between_cut_points_is_named_by_what_it_spans(tmp_path):
+    """Intervals until-2015-01-01 and 2015-01-01 (up to the cut 2016-07-01) merged by
+    --first-until 2015-06: the task spans until 2016-07-01 (was 'until-2015-01-01-2015-01-01')."""
+    rows = ["2014-05-01", "2014-06-01", "2015-03-01", "2015-04-01", "2016-08-01", "2016-09-01"]
+    m, _, _ = _build(tmp_path, rows, "--cuts", "2015,2016-07-01", "--first-until", "2015-06")
+    assert m.task_order == ["until-2016-07-01", "2016-07-01"]
+    assert m.time["tasks"]["until-2016-07-01"] == ["until-2015-01-01", "2015-01-01"]
+    c = Periods.make("year", "2015,2016-07-01")
+    assert c.span_label((1,), (2,)) == "from-2015-01-01"
+    assert c.span_label((0,), (2,)) == "all"

@@ -217,3 +217,34 @@ def test_dataset_names_are_names_not_paths(tmp_path, capsys):
         "shapes",
         "colors",
     ]
+
+
+def test_classes_of_two_tasks_with_one_prompt_are_one_class_of_the_union(tmp_path):
+    """X-TAIL's all-classes space with one template: Caltech-101's and Flowers-102's
+    'sunflower' have one prompt, so neither could ever be right (a tie counts against). The
+    build finds them (class_map.same_prompt, a warning naming them) and ZS-all keeps one of
+    them: an image of either, embedded on the shared text, is right (100%, was 0%)."""
+    from types import SimpleNamespace
+
+    from cvl.classtext import same_prompt
+    from cvl.evaluation.checkpoint import _zs
+
+    data = tmp_path / "data"
+    image_folders(data, "a", {"sunflower": (1, 1), "rose": (1, 1)})
+    image_folders(data, "b", {"sunflower": (1, 1), "lotus": (1, 1)})
+    m = build_classification(
+        data, ["a", "b"], _opts(tmp_path / "s"), union_templates=["a photo of a {}."]
+    )
+    assert m.class_map["same_prompt"] == {"b/sunflower": "a/sunflower"}
+    rep = json.loads((tmp_path / "s" / "build_report.json").read_text())
+    assert any("b/sunflower = a/sunflower" in w for w in rep["warnings"])
+    # each task's own templates that differ: different prompts, nothing merged
+    assert same_prompt(["a/x", "b/x"], ["x", "x"], [("a {}.",), ("a {}, a flower.",)]) == {}
+    names = ["a/rose", "a/sunflower", "b/lotus", "b/sunflower"]
+    feats = dict(zip(names, torch.eye(4)[[0, 1, 2, 1]]))  # the two sunflowers: one text
+    e = SimpleNamespace(
+        image_features=torch.eye(4)[[1, 1]], categories=["a/sunflower", "b/sunflower"]
+    )
+    z = _zs(e, feats, names, m.class_map["same_prompt"])
+    assert (z["top1"], z["n_classes"]) == (100.0, 3)
+    assert _zs(e, feats, names)["top1"] == 0.0  # without it: a tie, never right

@@ -263,3 +263,68 @@ def test_a_merged_task_between_cut_points_is_named_by_what_it_spans(tmp_path):
     c = Periods.make("year", "2015,2016-07-01")
     assert c.span_label((1,), (2,)) == "from-2015-01-01"
     assert c.span_label((0,), (2,)) == "all"
+
+
+# -- issue 47: a build never loses an evaluation set without saying so -----------------------------
+def _bad(path) -> None:
+    path.write_bytes(b"\xff\xd8 not a jpeg")
+
+
+def _read_report(out) -> dict:
+    return json.loads((out / "build_report.json").read_text())
+
+
+def _written(m) -> int:
+    """Pairs the manifest references: training sets, eval sets."""
+    n = sum(m.tasks[t].train.count for t in m.task_order)
+    return n + sum(ss.count for es in m.eval_sets.values() for ss in es.tasks.values())
+
+
+def test_held_out_pairs_are_drawn_from_pairs_whose_image_reads(tmp_path):
+    """The pair drawn as 2015's retrieval set has an unreadable image: it is replaced by a
+    readable 2015 pair (was: ret-2015 silently gone); the report counts what was written."""
+    rows = ["2014-03-01"] * 3 + ["2015-03-01"] * 6
+    m, _, out = _build(tmp_path, rows, "--test", "1")
+    import webdataset as wds
+
+    (drawn,) = [
+        json.loads(s["json"])["id"]
+        for s in wds.WebDataset(
+            str(out / m.benchmarks["ret-2015"].shards.shards[0]), shardshuffle=False
+        )
+    ]
+    # the drawn pair and one more 2015 pair turn out unreadable
+    _bad(tmp_path / "imgs" / f"{drawn[1:]}.jpg")
+    other = next(i for i in range(3, 9) if f"u{i}" != drawn)
+    _bad(tmp_path / "imgs" / f"{other}.jpg")
+    out2 = tmp_path / "s2"
+    argv = ["build-stream", "table", "--input", str(tmp_path / "meta.csv"), "--url-col", "image"]
+    argv += ["--caption-col", "caption", "--id-col", "uid", "--time-col", "date", "--quiet"]
+    assert main([*argv, "--test", "1", "--out", str(out2)]) in (0, None)
+    m2, rep = load_manifest(out2), _read_report(out2)
+    assert m2.benchmarks["ret-2015"].shards.count == 1
+    assert [m2.tasks[t].train.count for t in m2.task_order] == [2, 3]  # 6 - 2 bad - 1 held out
+    assert rep["dropped"] == {"bad_image": 2} and rep["kept_total"] == _written(m2) == 7
+    assert "warnings" not in rep
+
+
+def test_an_evaluation_set_that_is_lost_is_reported(tmp_path):
+    """--eval-ids with an id that matches no pair and none of 2015's; 2016 whose only pair is
+    held out (no training pair: the task is left out with its retrieval set): each one a
+    warning, and the report counts only the pairs written (was: silence, and 2016's pair
+    counted as kept)."""
+    rows = ["2014-03-01", "2014-04-01", "2015-03-01", "2015-04-01", "2016-03-01"]
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps({"2014": ["u0"], "2016": ["u4"], "2099": ["nope"]}))
+    m, rep, out = _build(tmp_path, rows, "--eval-ids", str(ids))
+    assert m.task_order == ["2014", "2015"] and list(m.benchmarks) == ["ret-2014"]
+    w = "\n".join(rep["warnings"])
+    assert "--eval-ids: 1 of 3 ids match no dated pair in range (e.g. nope)" in w
+    assert "period 2015 has no retrieval set (ret-2015): no pair of it is in --eval-ids" in w
+    assert "task '2016': its held-out pairs (test 1) left out with it" in w
+    assert "period 2016 has no retrieval set (ret-2016): its task '2016' was left out" in w
+    assert rep["kept_total"] == _written(m) == 4 and rep["dropped"] == {"task_left_out": 1}
+    assert not list(out.glob("eval/test/2016/**/*.tar"))  # its shards are not left behind
+    (tmp_path / "n").mkdir()
+    _, rep3, _ = _build(tmp_path / "n", rows)  # nothing held out at all
+    assert any("the stream has no evaluation set" in x for x in rep3["warnings"])

@@ -306,6 +306,7 @@ class TimeSplit(SplitRule):
         self.task_periods: dict[str, list[str]] = {}
         self.counts: dict[str, dict[str, int]] = {}
         self.unsampled = 0
+        self.warnings: list[str] = []  # the build report's (a period without its retrieval set)
 
     # -- assign ---------------------------------------------------------------------------------
     def assign(self, rows: list[Row], drop: Dropper) -> list[Row]:
@@ -329,6 +330,14 @@ class TimeSplit(SplitRule):
                 continue
             r.meta["period"] = self.p.label(k)
             by.setdefault(k, []).append(r)
+        if self.eval_ids is not None:
+            found = {r.id for rs in by.values() for r in rs} & self.eval_ids
+            if len(found) < len(self.eval_ids):
+                eg = ", ".join(sorted(self.eval_ids - found)[:3])
+                self.warnings.append(
+                    f"--eval-ids: {len(self.eval_ids) - len(found)} of {len(self.eval_ids)} ids "
+                    f"match no dated pair in range (e.g. {eg})"
+                )
         if not by:
             return []
         keys = sorted(by)
@@ -358,6 +367,8 @@ class TimeSplit(SplitRule):
                 ids = {id(r) for r in held}
                 for r in held:
                     r.split = "test"
+                if self.eval_ids is None:
+                    self.drawn = {*self.drawn, *ids}
                 rest = [r for r in rs if id(r) not in ids]
                 train += rest
                 self.counts[lab] = {"task": task, "pairs": len(rs), "test": len(held)}
@@ -365,6 +376,7 @@ class TimeSplit(SplitRule):
             perm = rng.permutation(len(train))
             for i in perm[: self.val]:
                 train[i].split = "val"
+            self.drawn = {*self.drawn, *(id(train[i]) for i in perm[: self.val])}
             out += [r for r in train if r.split == "val"]
             train = [r for r in train if r.split == "train"]
             if self.limit is not None and len(train) > self.limit:
@@ -414,8 +426,24 @@ class TimeSplit(SplitRule):
                 ss = sets.get(("test", t, p)) or (
                     sets.get(("test", t, None)) if len(ps) == 1 else None
                 )
-                if ss is not None:
+                if ss is not None and ss.count:
                     tests[p] = ss
+        if self.test or self.eval_ids is not None:  # retrieval sets asked for: say which lack one
+            for t, ps in self.task_periods.items():
+                for p in ps:
+                    if p in tests:
+                        continue
+                    n = self.counts.get(p, {}).get("test", 0)
+                    why = (
+                        f"its task '{t}' was left out (no training pair)"
+                        if t not in layout
+                        else f"none of its {n} held-out pairs was written (see dropped.jsonl)"
+                        if n
+                        else "no pair of it is in --eval-ids"
+                        if self.eval_ids is not None
+                        else "too few pairs to hold any out"
+                    )
+                    self.warnings.append(f"period {p} has no retrieval set (ret-{p}): {why}")
         return time_layout(layout, tests, unit=self.p.unit, column=self.column)
 
 

@@ -411,28 +411,30 @@ def _modes(root: Path) -> dict[str, int]:
     return {str(p.relative_to(root)): p.stat().st_mode & 0o777 for p in [root, *root.rglob("*")]}
 
 
-def test_streams_and_runs_honour_the_umask_so_others_can_read_them(tmp_path, tiny):
-    """mkstemp / mkdtemp make 0600 files and 0700 folders; every atomic write (stream folder,
-    run folders, JSON, weights) gets the mode a plain open / mkdir gives: 0644 / 0755 under
-    umask 022, 0640 / 0750 under 027."""
+def test_streams_and_runs_honour_the_umask_so_others_can_read_them(tmp_path, run):
+    """mkstemp / mkdtemp make 0600 files and 0700 folders, safetensors 0600 files; every
+    atomic write (a stream folder, a run's folders, JSON, weights) gets the mode a plain open
+    / mkdir gives: 0644 / 0755 under umask 022, 0640 / 0750 under 027; the module's run under
+    the tests' own umask."""
     from cvl.io import write_json
+    from cvl.writes import umask
 
     old = os.umask(0o022)
     try:
         assert main(_synthetic(tmp_path / "s")) in (0, None)
-        assert main(_argv(tiny, tmp_path / "r")) == 0
         os.umask(0o027)
         write_json(tmp_path / "x" / "a.json", {})
     finally:
         os.umask(old)
-    for root in (tmp_path / "s", tmp_path / "r"):
-        modes = _modes(root)
-        assert modes and all(
-            m == (0o755 if (root / rel).is_dir() else 0o644)
-            for rel, m in modes.items()
-            if not rel.startswith(".") and "/." not in rel  # lock files: 0644 by os.open
-        ), {rel: oct(m) for rel, m in modes.items() if m not in (0o755, 0o644)}
-    assert any(rel.endswith("model.safetensors") for rel in _modes(tmp_path / "r"))
+    for root, mask in ((tmp_path / "s", 0o022), (run, umask())):
+        modes = {
+            rel: m
+            for rel, m in _modes(root).items()
+            if not rel.startswith(".") and "/." not in rel  # lock and temp files of tests
+        }
+        want = {rel: (0o777 if (root / rel).is_dir() else 0o666) & ~mask for rel in modes}
+        assert modes == want, {rel: oct(m) for rel, m in modes.items() if m != want[rel]}
+    assert any(rel.endswith("model.safetensors") for rel in _modes(run))
     assert (tmp_path / "x" / "a.json").stat().st_mode & 0o777 == 0o640
 
 

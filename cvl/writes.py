@@ -62,9 +62,13 @@ def write_failure_message(e: BaseException, path: str | os.PathLike, retry: str 
 def permission_message(e: PermissionError) -> str:
     """The one line for a file or folder the process may not read (or write): which, and
     what to check (a stream or run written by another user under a strict umask)."""
-    what = os.fsdecode(e.filename) if e.filename is not None else "a file or folder cvl needs"
+    if e.filename is not None:
+        what = f"{os.fsdecode(e.filename)}: {(e.strerror or 'permission denied').lower()}"
+    else:  # re-raised from a data-loader worker: its text's last line names the file
+        lines = str(e).strip().splitlines()
+        what = lines[-1][:300] if lines else "permission denied"
     return (
-        f"{what}: {(e.strerror or 'permission denied').lower()}; cvl (uid {os.getuid()}) must be able "
+        f"{what}; cvl (uid {os.getuid()}) must be able "
         "to read its inputs and write its outputs: check the owner and mode (ls -l), e.g. ask "
         "the owner to run chmod -R a+rX on the stream or run folder"
     )

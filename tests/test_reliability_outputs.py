@@ -458,3 +458,12 @@ def test_an_input_cvl_may_not_read_is_one_line(tiny, monkeypatch, capsys):
     assert main(["info", str(tiny)]) == 2
     err = _one_line(capsys)
     assert err.startswith(f"error: {target}: permission denied") and "chmod" in err
+    from cvl.writes import permission_message
+
+    worker = PermissionError(
+        "Caught PermissionError in DataLoader worker process 0.\n  ...\n"
+        "PermissionError: [Errno 13] Permission denied: '/s/000000.tar'"
+    )
+    assert permission_message(worker).startswith(
+        "PermissionError: [Errno 13] Permission denied: '/s/000000.tar'; "
+    )

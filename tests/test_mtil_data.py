@@ -236,6 +236,9 @@ def test_classes_of_two_tasks_with_one_prompt_are_one_class_of_the_union(tmp_pat
         data, ["a", "b"], _opts(tmp_path / "s"), union_templates=["a photo of a {}."]
     )
     assert m.class_map["same_prompt"] == {"b/sunflower": "a/sunflower"}
+    from cvl.streams.manifest import load_manifest
+
+    assert load_manifest(tmp_path / "s").class_map["same_prompt"] == m.class_map["same_prompt"]
     rep = json.loads((tmp_path / "s" / "build_report.json").read_text())
     assert any("b/sunflower = a/sunflower" in w for w in rep["warnings"])
     # each task's own templates that differ: different prompts, nothing merged

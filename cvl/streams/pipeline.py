@@ -378,12 +378,6 @@ def _read_held_out(
         return (r.task, group(r) if group is not None else None)
 
     held = [i for i, r in enumerate(rows) if id(r) in rule.drawn and r.split != "train"]
-    pool: dict[tuple, list[int]] = {}
-    for i, r in enumerate(rows):
-        if r.split == "train" and i in plan:
-            pool.setdefault(key(r), []).append(i)
-    rng = np.random.default_rng([opts.seed, 47])
-    pool = {k: [v[j] for j in rng.permutation(len(v))] for k, v in pool.items()}
     got: dict[int, bytes] = {}
 
     def read(idx: list[int]) -> list[int]:
@@ -401,10 +395,21 @@ def _read_held_out(
                 got[i] = data
         return bad
 
-    for i in read(held):
+    failed = read(held)
+    if not failed:
+        return got
+    want = {key(rows[i]) for i in failed}
+    pool: dict[tuple, list[int]] = {}  # the training pairs of those tasks, in a seeded order
+    for i, r in enumerate(rows):
+        if r.split == "train" and i in plan and key(r) in want:
+            pool.setdefault(key(r), []).append(i)
+    rng = np.random.default_rng([opts.seed, 47])
+    for k in sorted(pool, key=str):
+        pool[k] = [pool[k][j] for j in rng.permutation(len(pool[k]))][::-1]  # pop() = first
+    for i in failed:
         cand = pool.get(key(rows[i]), [])
         while cand:
-            j = cand.pop(0)
+            j = cand.pop()
             if not read([j]):
                 rows[j].split = rows[i].split
                 break

@@ -107,3 +107,20 @@ def union_templates(manifest: Any) -> list[str] | None:
 def has_task_templates(manifest: Any) -> bool:
     """Whether the stream's tasks carry their own prompt templates."""
     return any(info.extra.get("templates") for info in manifest.tasks.values())
+
+
+def same_prompt(
+    categories: Sequence[str], names: Sequence[str], templates: Sequence[Sequence[str]]
+) -> dict[str, str]:
+    """Classes whose prompts (`names[i]` in each of `templates[i]`) are those of an earlier
+    class, each mapped to that first class. Over the classes of several datasets (MTIL's and
+    X-TAIL's all-classes label space: Caltech-101's and Flowers-102's ``sunflower`` under
+    ``a photo of a {}.``) such classes have one text embedding: the same class to the model,
+    so the all-classes classifier keeps one of them and either is a right answer."""
+    first: dict[tuple[str, ...], str] = {}
+    out: dict[str, str] = {}
+    for c, n, ts in zip(categories, names, templates):
+        f = first.setdefault(tuple(t.format(n) for t in ts), c)
+        if f != c:
+            out[c] = f
+    return out

@@ -115,8 +115,11 @@ def main(argv: list[str] | None = None) -> int:
         click.echo(f"error: {e}", err=True)
         return 2
     except OSError as e:  # the filesystem refused a write (full, read-only, ...): one line
-        from cvl.io import write_failure, write_failure_message
+        from cvl.io import permission_message, write_failure, write_failure_message
 
+        if not debug and isinstance(e, PermissionError):  # an input others made unreadable
+            click.echo(f"error: {permission_message(e)}", err=True)
+            return 2
         if debug or not write_failure(e):
             raise
         click.echo(f"error: {write_failure_message(e, e.filename or 'a file', None)}", err=True)

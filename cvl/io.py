@@ -17,7 +17,10 @@ from cvl.errors import CvlError
 from cvl.lock import FolderLock, command_line
 from cvl.writes import (  # noqa: F401  (re-exported: the helpers' public home was cvl.io)
     RETRY,
+    honour_umask,
+    honour_umask_tree,
     make_dirs,
+    permission_message,
     raise_if_write_failed,
     write_failure,
     write_failure_message,
@@ -53,6 +56,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     make_dirs(path.parent)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        honour_umask(fd)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -204,6 +208,7 @@ def atomic_dir(
             if kind is not None:
                 write_marker(tmp, kind)
                 check_overwrite(out, kind, inputs)  # again: something may have appeared since
+            honour_umask_tree(tmp)  # mkdtemp's 0700, safetensors' 0600: readable as umask says
             if out.exists():
                 old = out.with_name(f".{out.name}.old-{os.getpid()}")
                 os.replace(out, old)

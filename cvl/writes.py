@@ -59,6 +59,21 @@ def write_failure_message(e: BaseException, path: str | os.PathLike, retry: str 
     return f"{path}: {why} while writing it; {fix} and rerun the same command ({note})"
 
 
+def permission_message(e: PermissionError) -> str:
+    """The one line for a file or folder the process may not read (or write): which, and
+    what to check (a stream or run written by another user under a strict umask)."""
+    if e.filename is not None:
+        what = f"{os.fsdecode(e.filename)}: {(e.strerror or 'permission denied').lower()}"
+    else:  # re-raised from a data-loader worker: its text's last line names the file
+        lines = str(e).strip().splitlines()
+        what = lines[-1][:300] if lines else "permission denied"
+    return (
+        f"{what}; cvl (uid {os.getuid()}) must be able "
+        "to read its inputs and write its outputs: check the owner and mode (ls -l), e.g. ask "
+        "the owner to run chmod -R a+rX on the stream or run folder"
+    )
+
+
 def raise_if_write_failed(
     e: BaseException, path: str | os.PathLike, retry: str | None = None
 ) -> None:
@@ -66,6 +81,37 @@ def raise_if_write_failed(
     to do next; `retry`: what rerunning does (a key of `RETRY`: "run", "stream")."""
     if write_failure(e):
         raise CvlError(write_failure_message(e, path, retry)) from None
+
+
+def umask() -> int:
+    """The process's umask (read by setting it and putting it back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def honour_umask(target: str | os.PathLike | int, folder: bool = False) -> None:
+    """Give a file made by `mkstemp` (0600) or a folder made by `mkdtemp` (0700) the mode a
+    plain `open` / `mkdir` gives: 0666 / 0777 less the umask, so that a teammate or a job
+    under another uid reads what cvl writes as it reads the user's other files. `target`: a
+    path or an open file's descriptor."""
+    mode = (0o777 if folder else 0o666) & ~umask()
+    if isinstance(target, int):
+        os.fchmod(target, mode)
+    else:
+        os.chmod(target, mode)
+
+
+def honour_umask_tree(folder: str | os.PathLike) -> None:
+    """`honour_umask` on a folder built aside and everything in it (writers that make private
+    files whatever the umask: safetensors' writes 0600), before it is renamed into place."""
+    mask = umask()
+    for root, _dirs, files in os.walk(folder):
+        os.chmod(root, 0o777 & ~mask)
+        for f in files:
+            p = os.path.join(root, f)
+            if not os.path.islink(p):
+                os.chmod(p, 0o666 & ~mask)
 
 
 def make_dirs(path: str | os.PathLike, what: str | None = None) -> Path:

@@ -194,3 +194,60 @@ def test_protocol_command_builds_x_tail_shape(tmp_path):
         build_protocol("x-tail", tmp_path / "out", _opts(tmp_path / "out"), data=tmp_path)
     with pytest.raises(CvlError, match="pass --data"):
         build_protocol("mtil", tmp_path / "out", _opts(tmp_path / "out"))
+
+
+def test_dataset_names_are_names_not_paths(tmp_path, capsys):
+    """`--datasets shapes/../colors` would read colors/ as 'shapes_.._colors', `../x` a folder
+    outside --data: a dataset is a name, refused with one line before anything is read."""
+    from cvl.cli import main
+
+    data = tmp_path / "data"
+    for name in ("shapes", "colors"):
+        image_folders(data, name, {"a": (1, 1), "b": (1, 1)})
+    image_folders(tmp_path, "x", {"a": (1, 1), "b": (1, 1)})  # beside --data, not in it
+    for bad in ("shapes/../colors", "../x", str(data / "colors"), "..", "~", "a\\b"):
+        with pytest.raises(CvlError, match="a dataset is a name"):
+            build_classification(data, ["shapes", bad], _opts(tmp_path / "s"))
+        assert not (tmp_path / "s").exists()
+    argv = ["build-stream", "classification", "--data", str(data), "--out", str(tmp_path / "s")]
+    assert main([*argv, "--datasets", "shapes,../x", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --datasets '../x': a dataset is a name") and "\n" not in err
+    assert build_classification(data, ["shapes", "colors"], _opts(tmp_path / "s")).task_order == [
+        "shapes",
+        "colors",
+    ]
+
+
+def test_classes_of_two_tasks_with_one_prompt_are_one_class_of_the_union(tmp_path):
+    """X-TAIL's all-classes space with one template: Caltech-101's and Flowers-102's
+    'sunflower' have one prompt, so neither could ever be right (a tie counts against). The
+    build finds them (class_map.same_prompt, a warning naming them) and ZS-all keeps one of
+    them: an image of either, embedded on the shared text, is right (100%, was 0%)."""
+    from types import SimpleNamespace
+
+    from cvl.classtext import same_prompt
+    from cvl.evaluation.checkpoint import _zs
+
+    data = tmp_path / "data"
+    image_folders(data, "a", {"sunflower": (1, 1), "rose": (1, 1)})
+    image_folders(data, "b", {"sunflower": (1, 1), "lotus": (1, 1)})
+    m = build_classification(
+        data, ["a", "b"], _opts(tmp_path / "s"), union_templates=["a photo of a {}."]
+    )
+    assert m.class_map["same_prompt"] == {"b/sunflower": "a/sunflower"}
+    from cvl.streams.manifest import load_manifest
+
+    assert load_manifest(tmp_path / "s").class_map["same_prompt"] == m.class_map["same_prompt"]
+    rep = json.loads((tmp_path / "s" / "build_report.json").read_text())
+    assert any("b/sunflower = a/sunflower" in w for w in rep["warnings"])
+    # each task's own templates that differ: different prompts, nothing merged
+    assert same_prompt(["a/x", "b/x"], ["x", "x"], [("a {}.",), ("a {}, a flower.",)]) == {}
+    names = ["a/rose", "a/sunflower", "b/lotus", "b/sunflower"]
+    feats = dict(zip(names, torch.eye(4)[[0, 1, 2, 1]]))  # the two sunflowers: one text
+    e = SimpleNamespace(
+        image_features=torch.eye(4)[[1, 1]], categories=["a/sunflower", "b/sunflower"]
+    )
+    z = _zs(e, feats, names, m.class_map["same_prompt"])
+    assert (z["top1"], z["n_classes"]) == (100.0, 3)
+    assert _zs(e, feats, names)["top1"] == 0.0  # without it: a tie, never right

@@ -404,3 +404,66 @@ def test_the_readme_names_make_venv():
     root = Path(__file__).resolve().parent.parent
     assert "\nvenv:" in (root / "Makefile").read_text()
     assert "make venv" in (root / "README.md").read_text()
+
+
+# -- issue 47: outputs others can read, inputs one cannot read ------------------------------------
+def _modes(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): p.stat().st_mode & 0o777 for p in [root, *root.rglob("*")]}
+
+
+def test_streams_and_runs_honour_the_umask_so_others_can_read_them(tmp_path, run):
+    """mkstemp / mkdtemp make 0600 files and 0700 folders, safetensors 0600 files; every
+    atomic write (a stream folder, a run's folders, JSON, weights) gets the mode a plain open
+    / mkdir gives: 0644 / 0755 under umask 022, 0640 / 0750 under 027; the module's run under
+    the tests' own umask."""
+    from cvl.io import write_json
+    from cvl.writes import umask
+
+    old = os.umask(0o022)
+    try:
+        assert main(_synthetic(tmp_path / "s")) in (0, None)
+        os.umask(0o027)
+        write_json(tmp_path / "x" / "a.json", {})
+    finally:
+        os.umask(old)
+    for root, mask in ((tmp_path / "s", 0o022), (run, umask())):
+        modes = {
+            rel: m
+            for rel, m in _modes(root).items()
+            if not rel.startswith(".") and "/." not in rel  # lock and temp files of tests
+        }
+        want = {rel: (0o777 if (root / rel).is_dir() else 0o666) & ~mask for rel in modes}
+        assert modes == want, {rel: oct(m) for rel, m in modes.items() if m != want[rel]}
+    assert any(rel.endswith("model.safetensors") for rel in _modes(run))
+    assert (tmp_path / "x" / "a.json").stat().st_mode & 0o777 == 0o640
+
+
+def test_an_input_cvl_may_not_read_is_one_line(tiny, monkeypatch, capsys):
+    """A stream another user wrote 0600 (tests run as root, whom modes do not stop: the open
+    is refused as the kernel would) is one line naming the file, not a PermissionError
+    traceback."""
+    import builtins
+    import io
+
+    target = str(tiny / "stream.json")
+    real = io.open
+
+    def refuse(file, *a, **k):
+        if os.fspath(file) == target if isinstance(file, (str, os.PathLike)) else False:
+            raise PermissionError(13, "Permission denied", target)
+        return real(file, *a, **k)
+
+    monkeypatch.setattr(io, "open", refuse)
+    monkeypatch.setattr(builtins, "open", refuse)
+    assert main(["info", str(tiny)]) == 2
+    err = _one_line(capsys)
+    assert err.startswith(f"error: {target}: permission denied") and "chmod" in err
+    from cvl.writes import permission_message
+
+    worker = PermissionError(
+        "Caught PermissionError in DataLoader worker process 0.\n  ...\n"
+        "PermissionError: [Errno 13] Permission denied: '/s/000000.tar'"
+    )
+    assert permission_message(worker).startswith(
+        "PermissionError: [Errno 13] Permission denied: '/s/000000.tar'; "
+    )

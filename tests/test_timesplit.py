@@ -216,3 +216,115 @@ def test_time_split_of_webdataset_shards(tmp_path):
 
     ((_, cap, meta),) = [PairDataset.from_shards(m.train_shards("2016")).read_raw(0)]
     assert cap.startswith("pic ") and meta["timestamp"].startswith("2016")
+
+
+# -- issue 47: time units mean what they say -------------------------------------------------------
+@pytest.mark.parametrize(
+    "cell, value, want",
+    [
+        ("2019.0", 2019.0, dt.datetime(2019, 1, 1)),  # a 4-digit number: a year
+        ("201903.0", 201903.0, dt.datetime(2019, 3, 1)),
+        ("-86400", -86400, dt.datetime(1969, 12, 31)),  # negative: Unix seconds
+        ("-1.5", -1.5, dt.datetime(1969, 12, 31, 23, 59, 58, 500000)),
+        ("1394000000.5", 1394000000.5, dt.datetime(2014, 3, 5, 6, 13, 20, 500000)),
+        ("1.3940e9", 1.394e9, dt.datetime(2014, 3, 5, 6, 13, 20)),
+    ],
+)
+def test_a_number_in_a_csv_cell_is_the_same_date_as_in_json(cell, value, want):
+    """The docs: 4/6/8-digit numbers are YYYY/YYYYMM/YYYYMMDD, any other number Unix seconds,
+    whether JSON gives the number or a CSV cell its text (was: bad_date for the text)."""
+    assert parse_time(cell) == parse_time(value) == want
+
+
+def test_an_upper_bound_means_the_end_of_the_period_it_names(tmp_path):
+    """--period month: `--first-until 2014` merges all of 2014 (12 months, named by what it
+    spans), `--until 2015` keeps December 2015, `--since 2014` starts in January (was: the
+    first task 2014-01 alone and everything after 2015-01 dropped)."""
+    rows = [f"{y}-{mo:02d}-10" for y in (2014, 2015, 2016) for mo in (1, 6, 12)]
+    m, rep, _ = _build(
+        tmp_path, rows, "--period", "month", "--first-until", "2014", "--until", "2015"
+    )
+    assert m.task_order == ["2014-01-2014-12", "2015-01", "2015-06", "2015-12"]
+    assert m.time["tasks"]["2014-01-2014-12"] == ["2014-01", "2014-06", "2014-12"]
+    assert rep["dropped"] == {"after_until": 3}
+    q = Periods.make("quarter", None)
+    assert q.key_of_label("2016", "--until", end=True) == (2016, 4)
+    assert q.key_of_label("2016", "--since") == (2016, 1)
+    assert Periods.make("month", None).key_of_label("2016-Q2", "--until", end=True) == (2016, 6)
+
+
+def test_a_merged_task_between_cut_points_is_named_by_what_it_spans(tmp_path):
+    """Intervals until-2015-01-01 and 2015-01-01 (up to the cut 2016-07-01) merged by
+    --first-until 2015-06: the task spans until 2016-07-01 (was 'until-2015-01-01-2015-01-01')."""
+    rows = ["2014-05-01", "2014-06-01", "2015-03-01", "2015-04-01", "2016-08-01", "2016-09-01"]
+    m, _, _ = _build(tmp_path, rows, "--cuts", "2015,2016-07-01", "--first-until", "2015-06")
+    assert m.task_order == ["until-2016-07-01", "2016-07-01"]
+    assert m.time["tasks"]["until-2016-07-01"] == ["until-2015-01-01", "2015-01-01"]
+    c = Periods.make("year", "2015,2016-07-01")
+    assert c.span_label((1,), (2,)) == "from-2015-01-01"
+    assert c.span_label((0,), (2,)) == "all"
+
+
+# -- issue 47: a build never loses an evaluation set without saying so -----------------------------
+def _bad(path) -> None:
+    path.write_bytes(b"\xff\xd8 not a jpeg")
+
+
+def _read_report(out) -> dict:
+    return json.loads((out / "build_report.json").read_text())
+
+
+def _written(m) -> int:
+    """Pairs the manifest references: training sets, eval sets."""
+    n = sum(m.tasks[t].train.count for t in m.task_order)
+    return n + sum(ss.count for es in m.eval_sets.values() for ss in es.tasks.values())
+
+
+def test_held_out_pairs_are_drawn_from_pairs_whose_image_reads(tmp_path):
+    """The pair drawn as 2015's retrieval set has an unreadable image: it is replaced by a
+    readable 2015 pair (was: ret-2015 silently gone); the report counts what was written."""
+    rows = ["2014-03-01"] * 3 + ["2015-03-01"] * 6
+    m, _, out = _build(tmp_path, rows, "--test", "1")
+    import webdataset as wds
+
+    (drawn,) = [
+        json.loads(s["json"])["id"]
+        for s in wds.WebDataset(
+            str(out / m.benchmarks["ret-2015"].shards.shards[0]), shardshuffle=False
+        )
+    ]
+    # the drawn pair and one more 2015 pair turn out unreadable
+    _bad(tmp_path / "imgs" / f"{drawn[1:]}.jpg")
+    other = next(i for i in range(3, 9) if f"u{i}" != drawn)
+    _bad(tmp_path / "imgs" / f"{other}.jpg")
+    out2 = tmp_path / "s2"
+    argv = ["build-stream", "table", "--input", str(tmp_path / "meta.csv"), "--url-col", "image"]
+    argv += ["--caption-col", "caption", "--id-col", "uid", "--time-col", "date", "--quiet"]
+    assert main([*argv, "--test", "1", "--out", str(out2)]) in (0, None)
+    m2, rep = load_manifest(out2), _read_report(out2)
+    assert m2.benchmarks["ret-2015"].shards.count == 1
+    assert [m2.tasks[t].train.count for t in m2.task_order] == [2, 3]  # 6 - 2 bad - 1 held out
+    assert rep["dropped"] == {"bad_image": 2} and rep["kept_total"] == _written(m2) == 7
+    assert "warnings" not in rep
+
+
+def test_an_evaluation_set_that_is_lost_is_reported(tmp_path):
+    """--eval-ids with an id that matches no pair and none of 2015's; 2016 whose only pair is
+    held out (no training pair: the task is left out with its retrieval set): each one a
+    warning, and the report counts only the pairs written (was: silence, and 2016's pair
+    counted as kept)."""
+    rows = ["2014-03-01", "2014-04-01", "2015-03-01", "2015-04-01", "2016-03-01"]
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps({"2014": ["u0"], "2016": ["u4"], "2099": ["nope"]}))
+    m, rep, out = _build(tmp_path, rows, "--eval-ids", str(ids))
+    assert m.task_order == ["2014", "2015"] and list(m.benchmarks) == ["ret-2014"]
+    w = "\n".join(rep["warnings"])
+    assert "--eval-ids: 1 of 3 ids match no dated pair in range (e.g. nope)" in w
+    assert "period 2015 has no retrieval set (ret-2015): no pair of it is in --eval-ids" in w
+    assert "task '2016': its held-out pairs (test 1) left out with it" in w
+    assert "period 2016 has no retrieval set (ret-2016): its task '2016' was left out" in w
+    assert rep["kept_total"] == _written(m) == 4 and rep["dropped"] == {"task_left_out": 1}
+    assert not list(out.glob("eval/test/2016/**/*.tar"))  # its shards are not left behind
+    (tmp_path / "n").mkdir()
+    _, rep3, _ = _build(tmp_path / "n", rows)  # nothing held out at all
+    assert any("the stream has no evaluation set" in x for x in rep3["warnings"])

@@ -83,6 +83,7 @@ class EvalContext:
         self.query_set = next((n for n, k in kinds.items() if k == "query"), None)
         self.gallery_set = next((n for n, k in kinds.items() if k == "gallery"), None)
         self.templates = zs_templates_name(manifest, opts)
+        self.same_prompt: dict[str, str] = {}  # set by `_zeroshot`
 
     def embed(self, shards: list, desc: str, **kw: Any) -> Embeddings:
         """Features of the eval set made of `shards` (see `CheckpointFeatures.pairs`)."""
@@ -185,10 +186,20 @@ def _zs_ready(manifest: Any, e: Embeddings) -> bool:
     return _labelled(e)
 
 
-def _zs(e: Embeddings, cls_feats: dict[str, torch.Tensor], names: list[str]) -> dict:
-    """Zero-shot of a set's images among the classes `names`."""
+def _zs(
+    e: Embeddings,
+    cls_feats: dict[str, torch.Tensor],
+    names: list[str],
+    same: dict[str, str] | None = None,
+) -> dict:
+    """Zero-shot of a set's images among the classes `names`; `same`: a class whose prompts
+    are those of another class -> that class (`cvl.classtext.same_prompt`), one class here."""
+    cats = e.categories
+    if same:
+        cats = [same.get(c, c) if c is not None else None for c in cats]
+        names = [n for n in names if n not in same]
     return zeroshot_classify(
-        e.image_features, e.categories, torch.stack([cls_feats[n] for n in names]), names
+        e.image_features, cats, torch.stack([cls_feats[n] for n in names]), names
     )
 
 
@@ -235,6 +246,7 @@ def evaluate_checkpoint(
             "match": ctx.match,
             "map_feature": ctx.map_feature,
             "zs_templates": zs_templates_note(manifest, opts),
+            **({"zs_all_same_prompt": ctx.same_prompt} if ctx.same_prompt else {}),
         },
     }
 
@@ -283,6 +295,9 @@ def _zeroshot(
             ctx.model, m.prompt_names(all_names), [tuple(union)] * len(all_names), bs, prec
         )
         all_feats = {n: uf[i] for i, n in enumerate(all_names)}
+    # classes of several tasks with one prompt under the stream's own templates (found by the
+    # build: `cvl.classtext.same_prompt`) are one class of the all-classes classifier
+    ctx.same_prompt = {} if explicit else dict((m.class_map or {}).get("same_prompt") or {})
     for t, e in test.items():
         if not _zs_ready(m, e):
             continue
@@ -290,7 +305,7 @@ def _zeroshot(
         per[t]["ZS-top1"], per[t]["ZS-top5"] = z["top1"], z["top5"]
         info[t]["zeroshot"] = {k: z[k] for k in ("n", "n_skipped", "n_classes")}
         if all_names:
-            z = _zs(e, all_feats, all_names)
+            z = _zs(e, all_feats, all_names, ctx.same_prompt)
             per[t]["ZS-all-top1"], per[t]["ZS-all-top5"] = z["top1"], z["top5"]
             info[t]["zeroshot_all"] = {k: z[k] for k in ("n", "n_skipped", "n_classes")}
     return cls_feats, all_feats, all_names
@@ -357,7 +372,7 @@ def _cumulative(
             z = _zs(e, cls_feats, _classes_of(m, seen, [test[t] for t in seen]))
             r["ZS-top1"], r["ZS-top5"] = z["top1"], z["top5"]
             if all_names:
-                z = _zs(e, all_feats, all_names)
+                z = _zs(e, all_feats, all_names, ctx.same_prompt)
                 r["ZS-all-top1"], r["ZS-all-top5"] = z["top1"], z["top5"]
         qs = [t for t in columns[: k + 1] if t in query]
         if qs:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cvl.errors import CvlError
+from cvl.writes import honour_umask
 
 if TYPE_CHECKING:  # torch is imported lazily so that `cvl --help` stays fast
     from cvl.models.base import VLModel
@@ -37,6 +38,7 @@ def save_weights(model: VLModel, path: str | os.PathLike) -> None:
             save_file({k: v.cpu() for k, v in sd.items()}, tmp, metadata={**dropped, **meta})
         else:
             save_model(model, tmp, metadata=meta)
+        honour_umask(tmp)  # safetensors writes 0600 whatever the umask
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

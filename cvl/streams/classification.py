@@ -192,6 +192,8 @@ def build_classification(
     report.notes["datasets"] = {t: v["note"] for t, v in info.items()}
 
     def complete(m: Manifest, rep: BuildReport) -> None:
+        from cvl.classtext import same_prompt  # here: it imports torch
+
         lost = Counter((r.get("task"), r.get("id")) for r in drop.rows if r.get("split") == "train")
         for t in order:
             lst = info[t]["listing"]
@@ -201,20 +203,30 @@ def build_classification(
             for y, n in enumerate(lst.names):
                 if not kept[y]:
                     raise CvlError(f"{t}: class '{n}' has no readable training image left")
-        names, prompts, task_of = [], [], []
+        names, prompts, task_of, tms = [], [], [], []
         for t in m.task_order:
             cats = [f"{t}/{n}" for n in info[t]["names"]]
             m.tasks[t].categories = cats
             names += cats
             prompts += info[t]["names"]
             task_of += [t] * len(cats)
+            tms += [tuple(union_templates or info[t]["templates"])] * len(cats)
+        same = same_prompt(names, prompts, tms)
         m.class_map = {
             "names": names,
             "prompts": prompts,
             "task_of": task_of,
             "labels": "each dataset's own classes (one task per dataset)",
             **({"union_templates": list(union_templates)} if union_templates else {}),
+            **({"same_prompt": same} if same else {}),
         }
+        if same:
+            eg = ", ".join(f"{c} = {f}" for c, f in list(same.items())[:4])
+            rep.notes.setdefault("warnings", []).append(
+                f"{len(same)} classes have the all-classes prompts of a class of an earlier task "
+                f"({eg}{', ...' if len(same) > 4 else ''}): one class to the model, so ZS-all "
+                "counts either as right for both (class_map.same_prompt)"
+            )
 
     rule = ColumnSplit("dataset", tasks=order)
     src_args = {

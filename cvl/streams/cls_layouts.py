@@ -482,6 +482,11 @@ def read_dataset(root: str | Path, name: str) -> tuple[str, Listing]:
     """(task name, listing) of dataset `name` under `root`: torchvision's layout when its files
     are there (``ROOT/MNIST/raw/``, ...), else the image folders ``ROOT/NAME/`` (any alias)."""
     root = Path(root)
+    if name in (".", "..") or any(c in name for c in "/\\\0") or name.startswith("~"):
+        raise CvlError(
+            f"--datasets {name!r}: a dataset is a name (a folder directly under --data, or an "
+            "MTIL name), not a path: no '/', '\\', '..' or '~'"
+        )
     spec = spec_of(name)
     task = spec.name if spec else re.sub(r"[^\w\-]+", "_", name).strip("_")
     if not task:

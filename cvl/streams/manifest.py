@@ -40,7 +40,8 @@ refuses a source that changed since.
 before) maps class ids to tasks: ``names[i]`` is the category string of class i in the
 samples' KEY.json, ``prompts[i]`` the name put in zero-shot prompts, ``task_of[i]`` the task
 holding class i (null: in no task), ``order`` the seeded class order that was cut into tasks,
-``labels`` where the labels came from.
+``labels`` where the labels came from; ``same_prompt`` (classification streams) maps a class
+whose all-classes prompts are those of an earlier class to that class (one class of ZS-all).
 
 ``time`` (optional, written by time-ordered builds: `cvl build-stream table --time-col`, the
 synthetic time mode; see `cvl.streams.timesplit`) records the periods in time order (``periods``),
@@ -391,6 +392,11 @@ def _class_map(cm: Any, tasks: dict[str, TaskInfo]) -> dict[str, Any] | None:
     for i, t in enumerate(task_of):
         if t is not None and t not in tasks:
             raise _err(f"class_map.task_of[{i}]", f"unknown task '{t}'")
+    same, known = cm.get("same_prompt", {}), set(names)
+    if not isinstance(same, dict) or not all(
+        k in known and v in known and k != v for k, v in same.items()
+    ):
+        raise _err("class_map.same_prompt", "must map class names to other class names")
     order = cm.get("order")
     if order is not None and sorted(order) != list(range(len(names))):
         raise _err("class_map.order", "must be a permutation of the class ids")

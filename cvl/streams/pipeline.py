@@ -13,10 +13,14 @@ URL or local path, and whatever it knows: task, split, category, metadata) and p
    those tasks),
 4. gets the images: URLs through the download cache (img2dataset, see `download.py`), local
    files through the same img2dataset resizer (an image whose header announces more than
-   `MAX_PIXELS` pixels is dropped as ``too_large`` before it is decoded),
+   `MAX_PIXELS` pixels is dropped as ``too_large`` before it is decoded); the held-out pairs
+   a rule drew at random are read first, and one whose image does not read is replaced by
+   another pair of its task (and period) that does (`_read_held_out`),
 5. writes ``train/<task>/*.tar`` and ``eval/<split>/<task>/*.tar`` (KEY.jpg, KEY.txt,
    KEY.json with id, task, category, source, ...), ``stream.json``, ``build_report.json``
-   and ``dropped.jsonl`` (every dropped sample with its reason), atomically.
+   and ``dropped.jsonl`` (every dropped sample with its reason), atomically; an evaluation
+   set lost on the way (a task left out, a set none of whose pairs was written, no
+   evaluation set at all) is a warning, and the report counts what was written.
 
 Split rules are small classes with ``assign(rows, report) -> rows``: `ColumnSplit` (the task is a
 field of the row: P9D industries, a table's task column), `InstanceSplit` (seeded random equal
@@ -37,6 +41,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from cvl.errors import CvlError
 from cvl.io import atomic_dir, check_overwrite
@@ -200,6 +206,8 @@ def build_stream(
     )
 
     plan = _image_plan(rows, source, opts, drop, report)
+    held = Counter((r.split, r.task) for r in rows if r.split != "train")
+    pre = _read_held_out(rows, plan, rule, opts, drop)
     with_image = [i for i in range(len(rows)) if i in plan]
     final = rule.finalize([rows[i] for i in with_image], drop)
     keep_ids = {id(r) for r in final}
@@ -225,23 +233,19 @@ def build_stream(
             show=opts.progress,
             leave=False,
         )
-        images = load_images([plan[i] for i in flat], opts.image, opts.download.processes)
+        todo = [plan[i] for i in flat if i not in pre]  # held-out images were read already
+        images = load_images(todo, opts.image, opts.download.processes)
         folder = task_folders(order)
+        wrote: dict[tuple[str, str], list[int]] = {}
 
         def write_one(sink: ShardSink, split: str, task: str, i: int) -> None:
-            data, err = next(images)
+            data, err = (pre.pop(i), None) if i in pre else next(images)
             bar.update()
             r = rows[i]
             if data is None:
-                why = (
-                    "bad_base64"
-                    if (err or "").startswith("undecodable base64")
-                    else TOO_LARGE
-                    if (err or "").startswith(TOO_LARGE)
-                    else "bad_image"
-                )
-                drop(why, r, detail=f"{r.where}: {err}")
+                drop(_why(err), r, detail=f"{r.where}: {err}")
                 return
+            wrote.setdefault((split, task), []).append(i)
             meta = {
                 # source metadata first: it never overrides the fields below
                 **{k: printable(v) for k, v in r.meta.items()},
@@ -283,9 +287,8 @@ def build_stream(
         for t in order:
             tr = written.get(("train", t))
             if tr is None:
-                report.notes.setdefault("warnings", []).append(
-                    f"task '{t}' has no usable training pairs: left out of the stream"
-                )
+                report.warn(f"task '{t}' has no usable training pairs: left out of the stream")
+                _leave_out_held(t, written, wrote, rows, tmp, drop, report)
                 continue
             final_order.append(t)
             tasks[t] = TaskInfo(
@@ -304,6 +307,19 @@ def build_stream(
                 evals[split] = EvalSet(EVAL_KIND[split], per)
         sets = {(sp, t, None): ss for (sp, t), ss in written.items()} | sub_sets
         extra = rule.manifest_extra(sets, final_order) if hasattr(rule, "manifest_extra") else {}
+        for w in getattr(rule, "warnings", []):
+            report.warn(w)
+        for (split, t), n in held.items():
+            if t in tasks and (split, t) not in written:
+                report.warn(
+                    f"task '{t}': none of its {n} {split} pairs was written (see dropped.jsonl): "
+                    f"it has no {split} set"
+                )
+        if not evals and not extra.get("benchmarks"):
+            report.warn(
+                "the stream has no evaluation set (no pair held out, or none readable): "
+                "cvl eval has nothing to score on it"
+            )
         m = Manifest(
             name=opts.name or out.name,
             source=source,
@@ -337,6 +353,93 @@ def build_stream(
                 f.write(json.dumps(rec, ensure_ascii=False) + "\n")
     m.root = out.absolute()
     return m
+
+
+def _why(err: str | None) -> str:
+    """The drop reason of an image that could not be read."""
+    if (err or "").startswith("undecodable base64"):
+        return "bad_base64"
+    return TOO_LARGE if (err or "").startswith(TOO_LARGE) else "bad_image"
+
+
+def _read_held_out(
+    rows: list[Row], plan: dict[int, tuple], rule: SplitRule, opts: BuildOptions, drop: Dropper
+) -> dict[int, bytes]:
+    """Read the images of the held-out pairs the split rule drew at random (`rule.drawn`)
+    before anything is written, so that these sets are drawn from pairs that read: one that
+    does not (no image, unreadable) is dropped and replaced by a training pair of its task
+    (and period) whose image reads, the first of a seeded order. Returns the images read,
+    by row index (written from memory: nothing is read twice); the plan loses the dropped."""
+    if not rule.drawn:
+        return {}
+    group = getattr(rule, "shard_group", None)
+
+    def key(r: Row) -> tuple:
+        return (r.task, group(r) if group is not None else None)
+
+    held = [i for i, r in enumerate(rows) if id(r) in rule.drawn and r.split != "train"]
+    got: dict[int, bytes] = {}
+
+    def read(idx: list[int]) -> list[int]:
+        """Read `idx` (those with an image); returns the ones that failed, dropped."""
+        have = [i for i in idx if i in plan]
+        bad = [i for i in idx if i not in plan]  # the download failed: already counted
+        for i, (data, err) in zip(
+            have, load_images([plan[i] for i in have], opts.image, opts.download.processes)
+        ):
+            if data is None:
+                drop(_why(err), rows[i], detail=f"{rows[i].where}: {err}")
+                del plan[i]
+                bad.append(i)
+            else:
+                got[i] = data
+        return bad
+
+    failed = read(held)
+    if not failed:
+        return got
+    want = {key(rows[i]) for i in failed}
+    pool: dict[tuple, list[int]] = {}  # the training pairs of those tasks, in a seeded order
+    for i, r in enumerate(rows):
+        if r.split == "train" and i in plan and key(r) in want:
+            pool.setdefault(key(r), []).append(i)
+    rng = np.random.default_rng([opts.seed, 47])
+    for k in sorted(pool, key=str):
+        pool[k] = [pool[k][j] for j in rng.permutation(len(pool[k]))][::-1]  # pop() = first
+    for i in failed:
+        cand = pool.get(key(rows[i]), [])
+        while cand:
+            j = cand.pop()
+            if not read([j]):
+                rows[j].split = rows[i].split
+                break
+    return got
+
+
+def _leave_out_held(
+    task: str,
+    written: dict[tuple[str, str], ShardSet],
+    wrote: dict[tuple[str, str], list[int]],
+    rows: list[Row],
+    tmp: Path,
+    drop: Dropper,
+    report: BuildReport,
+) -> None:
+    """A task left out for want of training pairs takes its held-out sets with it: their
+    shards are removed and their pairs counted as dropped (not kept), with a warning."""
+    lost = []
+    for split in SPLITS[1:]:
+        ss = written.pop((split, task), None)
+        if ss is None:
+            continue
+        for s in ss.shards:
+            (tmp / s).unlink(missing_ok=True)
+        for i in wrote.get((split, task), []):
+            drop("task_left_out", rows[i], detail=f"task '{task}' has no training pair")
+            report.kept[split] -= 1
+        lost.append(f"{split} {ss.count}")
+    if lost:
+        report.warn(f"task '{task}': its held-out pairs ({', '.join(lost)}) left out with it")
 
 
 def _parts(

@@ -30,6 +30,10 @@ class SplitRule:
     """Assigns every row a task (and, for rules that hold data out, a split)."""
 
     name = "rule"
+    # `id`s of the held-out (val / test) rows the rule drew at random from a task's pairs,
+    # valid after `assign`: the build replaces one whose image is unreadable by another pair
+    # of the task (`pipeline.build_stream`); rows a source or an id list held out stay as given
+    drawn: frozenset[int] | set[int] = frozenset()
 
     def assign(self, rows: list[Row], drop: Dropper) -> list[Row]:
         raise NotImplementedError
@@ -114,6 +118,7 @@ class ColumnSplit(SplitRule):
                     r.split = "test"
                 for r in perm[self.test : self.test + self.val]:
                     r.split = "val"
+                self.drawn = {*self.drawn, *(id(r) for r in perm[: self.test + self.val])}
                 for s in ("test", "val"):
                     groups.setdefault((task, s), []).extend(r for r in perm if r.split == s)
                 train = [r for r in train if r.split == "train"]
@@ -228,6 +233,8 @@ class InstanceSplit(SplitRule):
                 for r in sorted(part, key=lambda r: pos[id(r)]):
                     r.split, r.task = split, name
                     out.append(r)
+        if not self.presplit:
+            self.drawn = {id(r) for r in out if r.split in ("val", "test")}
         return out
 
     def task_names(self) -> list[str]:
@@ -320,6 +327,7 @@ class ClassSplit(SplitRule):
                 if i in test_idx:
                     r.split = "test"
                 out.append(r)
+        self.drawn = {id(r) for r in out if r.split == "test"}
         return out
 
     def task_names(self) -> list[str]:

@@ -10,15 +10,21 @@ its *dynamic retrieval* set, or the pairs an ``--eval-ids`` file names (TiC's re
 ``tic-datacomp_retrieval_evals_year2uids.json``); TiC evaluates every step's model on every
 period's set (9 yearly sets for 7 steps), so the stream carries them as benchmarks
 ``ret-PERIOD``, and each task's ``test`` set is the union of its periods' sets (a merged first
-task writes one sub-folder per period: ``eval/test/2014-2016/2015/...``).
+task writes one sub-folder per period: ``eval/test/2014-2016/2015/...``). A merged task is
+named by what it spans: ``2014-2016``, ``2014-01-2016-12``; between cut points
+``until-2019-07-01`` (every interval before that cut).
 
 Dates are never guessed: a missing date is dropped as ``missing_date``, an unreadable one as
-``bad_date``, dates outside ``--since`` / ``--until`` as ``before_since`` / ``after_until``;
+``bad_date``, dates outside ``--since`` / ``--until`` as ``before_since`` / ``after_until``
+(a bound counts from the start of what ``--since`` names to the end of what ``--until`` and
+``--first-until`` name: ``--until 2022`` keeps December 2022 under ``--period month``);
 build_report.json counts them and every period's pairs (``time``). Readable dates (`--time-format`,
 default ``auto``): date/datetime values (parquet), ISO 8601 strings (``2014-03-05``,
-``2014-03-05T12:00:00Z``, ``2014/03/05``, ``2014-03``), digit strings or integers of 4
-(``2014``: a year), 6 (``201403``: TiC's month names) or 8 digits (``20140305``), other numbers
-as Unix seconds (YFCC's ``dateuploaded``); ``epoch``, ``epoch_ms``, ``iso`` or a strptime
+``2014-03-05T12:00:00Z``, ``2014/03/05``, ``2014-03``), numbers (a JSON or parquet value and
+the text of a CSV cell alike: ``2014``, ``2014.0`` and ``"2014.0"`` are one value) whose integral
+value has 4 (``2014``: a year), 6 (``201403``: TiC's month names) or 8 digits (``20140305``),
+any other number (negative, fractional, other lengths) as Unix seconds (YFCC's
+``dateuploaded``); ``epoch``, ``epoch_ms``, ``iso`` or a strptime
 pattern (``%d.%m.%Y``) read one way only. Times with a zone are converted to UTC, naive ones
 are taken as UTC.
 
@@ -112,12 +118,19 @@ def _parse(value: Any, fmt: str) -> _dt.datetime:
         return _iso(s)
     if fmt != "auto":  # a strptime pattern
         return _dt.datetime.strptime(s, fmt)
-    if isinstance(value, (int, float, np.integer, np.floating)) or re.fullmatch(r"\d+", s):
-        if isinstance(value, (float, np.floating)) and not float(value).is_integer():
-            return _epoch(float(value))
-        d = _digits(str(int(float(s))))
-        return d if d is not None else _epoch(float(s))
+    if isinstance(value, (int, float, np.integer, np.floating)) or _NUMBER.fullmatch(s):
+        # a number, whether a JSON / parquet value or a CSV cell's text (2019, "2019.0", "-5")
+        x = int(s) if re.fullmatch(r"\d+", s) else float(s)
+        if float(x).is_integer() and x >= 0:
+            d = _digits(str(int(x)))
+            if d is not None:
+                return d
+        return _epoch(x)
     return _iso(s)
+
+
+# a decimal number as text: digits with an optional sign, fraction and exponent
+_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 
 
 # -- periods ------------------------------------------------------------------------------------
@@ -159,24 +172,62 @@ class Periods:
             return f"{key[0]}-Q{key[1]}"
         return f"{key[0]}-{key[1]:02d}"
 
-    def key_of_label(self, text: str, what: str) -> tuple[int, ...]:
-        """The period key of a period given on the command line (`--first-until 2016`)."""
-        t = text.strip()
-        m = re.fullmatch(r"(\d{4})-[Qq]([1-4])", t)
+    def key_of_label(self, text: str, what: str, end: bool = False) -> tuple[int, ...]:
+        """The period key of a period given on the command line (`--first-until 2016`): the
+        period holding its start, or with `end` (an upper bound: --first-until, --until) its
+        end, so that a year given with --period month means its December."""
         try:
-            if m and self.unit == "quarter":
-                return (int(m.group(1)), int(m.group(2)))
-            dt = parse_time(t)
+            span = _span(text.strip())
         except ValueError:
-            dt = None
-        if dt is None:
-            raise CvlError(f"{what} {text!r}: not a date or period (e.g. 2016, 2016-06)")
-        return self.key(dt)
+            span = None
+        if span is None:
+            raise CvlError(f"{what} {text!r}: not a date or period (e.g. 2016, 2016-06, 2016-Q2)")
+        return self.key(span[1] if end else span[0])
+
+    def span_label(self, first: tuple[int, ...], last: tuple[int, ...]) -> str:
+        """The name of the task merging the periods `first` .. `last` (in time order): what
+        it spans (``2014-2016``; between cut points ``until-2019-07-01``)."""
+        if first == last:
+            return self.label(first)
+        if self.unit != "cuts":
+            return f"{self.label(first)}-{self.label(last)}"
+        a, j = first[0], last[0]
+        hi = _day(self.cuts[j]) if j < len(self.cuts) else None
+        if a == 0:
+            return f"until-{hi}" if hi else "all"
+        lo = _day(self.cuts[a - 1])
+        return f"{lo}-until-{hi}" if hi else f"from-{lo}"
 
     def describe(self) -> str:
         if self.unit == "cuts":
             return "intervals between the cut points " + ", ".join(_day(c) for c in self.cuts)
         return f"calendar {self.unit}s"
+
+
+def _span(text: str) -> tuple[_dt.datetime, _dt.datetime] | None:
+    """The first and last instant of a period or date given as text: a year (``2016``), a
+    quarter (``2016-Q2``), a month (``2016-06``, ``201606``), a day, or an instant (its own
+    span); None when empty. ValueError when it is not a date."""
+    m = re.fullmatch(r"(\d{4})-[Qq]([1-4])", text)
+    if m:
+        y, q = int(m.group(1)), int(m.group(2))
+        return _dt.datetime(y, 3 * q - 2, 1), _month_end(y, 3 * q)
+    start = parse_time(text)
+    if start is None:
+        return None
+    if re.fullmatch(r"\d{4}", text):
+        return start, _month_end(start.year, 12)
+    if re.fullmatch(r"\d{4}[-/]\d{1,2}|\d{6}", text):
+        return start, _month_end(start.year, start.month)
+    if re.fullmatch(r"\d{4}[-/]\d{1,2}[-/]\d{1,2}|\d{8}", text):
+        return start, start + _dt.timedelta(days=1, microseconds=-1)
+    return start, start
+
+
+def _month_end(year: int, month: int) -> _dt.datetime:
+    """The last instant of a month."""
+    nxt = _dt.datetime(year + month // 12, month % 12 + 1, 1)
+    return nxt - _dt.timedelta(microseconds=1)
 
 
 def _day(d: _dt.datetime) -> str:
@@ -240,9 +291,10 @@ class TimeSplit(SplitRule):
         if eval_ids is not None and test:
             raise CvlError("--eval-ids gives the retrieval pairs: drop --test")
         self.column, self.p, self.fmt = column, periods, fmt
-        self.first = periods.key_of_label(first_until, "--first-until") if first_until else None
-        self.since = periods.key_of_label(since, "--since") if since else None
-        self.until = periods.key_of_label(until, "--until") if until else None
+        key = periods.key_of_label
+        self.first = key(first_until, "--first-until", end=True) if first_until else None
+        self.since = key(since, "--since") if since else None
+        self.until = key(until, "--until", end=True) if until else None
         self.test, self.val, self.limit, self.eval_ids, self.seed = (
             test,
             val,
@@ -254,6 +306,7 @@ class TimeSplit(SplitRule):
         self.task_periods: dict[str, list[str]] = {}
         self.counts: dict[str, dict[str, int]] = {}
         self.unsampled = 0
+        self.warnings: list[str] = []  # the build report's (a period without its retrieval set)
 
     # -- assign ---------------------------------------------------------------------------------
     def assign(self, rows: list[Row], drop: Dropper) -> list[Row]:
@@ -277,6 +330,14 @@ class TimeSplit(SplitRule):
                 continue
             r.meta["period"] = self.p.label(k)
             by.setdefault(k, []).append(r)
+        if self.eval_ids is not None:
+            found = {r.id for rs in by.values() for r in rs} & self.eval_ids
+            if len(found) < len(self.eval_ids):
+                eg = ", ".join(sorted(self.eval_ids - found)[:3])
+                self.warnings.append(
+                    f"--eval-ids: {len(self.eval_ids) - len(found)} of {len(self.eval_ids)} ids "
+                    f"match no dated pair in range (e.g. {eg})"
+                )
         if not by:
             return []
         keys = sorted(by)
@@ -291,7 +352,7 @@ class TimeSplit(SplitRule):
         pos = {id(r): i for i, r in enumerate(rows)}
         for ti, group in enumerate(groups):
             labels = [self.p.label(k) for k in group]
-            task = labels[0] if len(labels) == 1 else f"{labels[0]}-{labels[-1]}"
+            task = self.p.span_label(group[0], group[-1])
             self.task_periods[task] = labels
             rng = np.random.default_rng([self.seed, 2024, ti])
             train: list[Row] = []
@@ -306,6 +367,8 @@ class TimeSplit(SplitRule):
                 ids = {id(r) for r in held}
                 for r in held:
                     r.split = "test"
+                if self.eval_ids is None:
+                    self.drawn = {*self.drawn, *ids}
                 rest = [r for r in rs if id(r) not in ids]
                 train += rest
                 self.counts[lab] = {"task": task, "pairs": len(rs), "test": len(held)}
@@ -313,6 +376,7 @@ class TimeSplit(SplitRule):
             perm = rng.permutation(len(train))
             for i in perm[: self.val]:
                 train[i].split = "val"
+            self.drawn = {*self.drawn, *(id(train[i]) for i in perm[: self.val])}
             out += [r for r in train if r.split == "val"]
             train = [r for r in train if r.split == "train"]
             if self.limit is not None and len(train) > self.limit:
@@ -362,8 +426,24 @@ class TimeSplit(SplitRule):
                 ss = sets.get(("test", t, p)) or (
                     sets.get(("test", t, None)) if len(ps) == 1 else None
                 )
-                if ss is not None:
+                if ss is not None and ss.count:
                     tests[p] = ss
+        if self.test or self.eval_ids is not None:  # retrieval sets asked for: say which lack one
+            for t, ps in self.task_periods.items():
+                for p in ps:
+                    if p in tests:
+                        continue
+                    n = self.counts.get(p, {}).get("test", 0)
+                    why = (
+                        f"its task '{t}' was left out (no training pair)"
+                        if t not in layout
+                        else f"none of its {n} held-out pairs was written (see dropped.jsonl)"
+                        if n
+                        else "no pair of it is in --eval-ids"
+                        if self.eval_ids is not None
+                        else "too few pairs to hold any out"
+                    )
+                    self.warnings.append(f"period {p} has no retrieval set (ret-{p}): {why}")
         return time_layout(layout, tests, unit=self.p.unit, column=self.column)
 
 
@@ -427,20 +507,23 @@ def time_options(f):  # noqa: ANN001, ANN202
             "--first-until",
             default=None,
             metavar="PERIOD",
-            help="With --time-col: merge every period up to PERIOD into the first task (TiC-DataComp: "
-            "--first-until 2016 = one first step on 2014-2016).",
+            help="With --time-col: merge every period up to PERIOD (included) into the first task "
+            "(TiC-DataComp: --first-until 2016 = one first step on 2014-2016). An upper bound means "
+            "the end of what it names: a year with --period month or quarter is its December / Q4.",
         ),
         click.option(
             "--since",
             default=None,
             metavar="PERIOD",
-            help="With --time-col: drop pairs before PERIOD.",
+            help="With --time-col: drop pairs before PERIOD (from its start: a year with --period "
+            "month is its January).",
         ),
         click.option(
             "--until",
             default=None,
             metavar="PERIOD",
-            help="With --time-col: drop pairs after PERIOD.",
+            help="With --time-col: drop pairs after PERIOD (to its end: --until 2022 keeps all of "
+            "2022, also with --period month).",
         ),
         click.option(
             "--time-format",

@@ -161,6 +161,10 @@ class BuildReport:
     def keep(self, split: str) -> None:
         self.kept[split] += 1
 
+    def warn(self, message: str) -> None:
+        """A warning the build prints and keeps (`warnings`)."""
+        self.notes.setdefault("warnings", []).append(message)
+
     def drop(self, reason: str, example: str = "") -> None:
         self.dropped[reason] += 1
         ex = self.examples.setdefault(reason, [])

@@ -306,6 +306,9 @@ class RunFolder:
             self.method.load_state_dict(st.get("method", {}))
             if ctx.buffer is not None and st.get("buffer"):
                 ctx.buffer.load_state_dict(st["buffer"])
+            scaler = getattr(self.acc, "scaler", None)
+            if scaler is not None and scaler.is_enabled() and st.get("grad_scaler"):
+                scaler.load_state_dict(st["grad_scaler"])
         except CvlError as e:
             if where is None:
                 raise
@@ -316,9 +319,15 @@ class RunFolder:
             ) from None
 
     def _method_state(self, ctx: TaskContext) -> dict[str, Any]:
+        """The method's and buffer's state, and fp16's loss scale (the GradScaler's state: its
+        scale carries over steps and tasks, so a resume restarting it at the initial scale
+        would skip or keep other updates than the uninterrupted run)."""
         st: dict[str, Any] = {"method": self.method.state_dict()}
         if ctx.buffer is not None:
             st["buffer"] = ctx.buffer.state_dict()
+        scaler = getattr(self.acc, "scaler", None)
+        if scaler is not None and scaler.is_enabled():
+            st["grad_scaler"] = scaler.state_dict()
         return st
 
     def _load_last(self, opt: Any, sched: Any, ctx: TaskContext, total: int) -> None:

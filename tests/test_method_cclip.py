@@ -83,8 +83,10 @@ def test_projectors():
 
 @pytest.mark.slow
 def test_alpha_integrates_half_the_task_delta(synth_stream, tmp_path):
-    """θ^0 = θ_init + α·ΔW: the same training with α = 0.5 moves the weights half as far as
-    with α = 1 (only the merge differs); the projector is method state, not in the model."""
+    """θ^0 = θ_init + α·ΔW: the same training with α = 0.5 moves the LoRA-adapted weights half
+    as far as with α = 1 (only the merge differs); the embeddings, which C-CLIP trains directly
+    (the paper: most trainable parameters are embedding layers), move and are the same in both
+    (not scaled by α); the projector is method state, not in the model."""
     for a in (0.5, 1.0):
         train_run(
             synth_stream,
@@ -98,12 +100,45 @@ def test_alpha_integrates_half_the_task_delta(synth_stream, tmp_path):
     half, full = (
         load_file(str(finished_tasks(tmp_path / str(a))[0].model_path)) for a in (0.5, 1.0)
     )
+    emb = {k for k in init if "embedding" in k}  # the tiny ResNet CLIP: its attention pool's
+    assert {"clip.token_embedding.weight", "clip.visual.attnpool.positional_embedding"} <= emb
     moved = [k for k in init if not torch.equal(init[k], full[k])]
-    assert moved and set(half) == set(init)
-    for k in moved:
+    assert emb <= set(moved) and set(half) == set(init)
+    assert "clip.logit_scale" not in moved  # frozen, as KoyoImai
+    for k in emb:
+        assert torch.equal(half[k], full[k]), k
+    for k in set(moved) - emb:
         assert torch.allclose(half[k] - init[k], 0.5 * (full[k] - init[k]), atol=1e-6), k
     st = load_state(finished_tasks(tmp_path / "0.5")[0].path, "method_state")["method"]
     assert "net.1.running_mean" in st["projector"]  # BatchNorm statistics saved too
+
+
+def test_cclip_trains_the_embeddings_of_a_vit_beside_its_lora():
+    """On a ViT CLIP: token, positional (both towers) and class embeddings train; the logit
+    scale and the other plain weights stay frozen (only their adapters train)."""
+    from cvl.models import build_model
+    from cvl.models.tune import Tuning
+
+    model = build_model("clip", "tiny-vit")
+    Tuning("lora").apply(model, 0, CCLIP().tune_also)
+    plain = {n for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n}
+    assert plain == {
+        "clip.token_embedding.weight",
+        "clip.positional_embedding",
+        "clip.visual.class_embedding",
+        "clip.visual.positional_embedding",
+    }
+
+
+def test_cclip_embeddings_false_trains_the_lora_alone(synth_stream, tmp_path):
+    run = tmp_path / "r"
+    train_run(
+        synth_stream, run, SHORT, method="cclip", tune="lora", method_args={"embeddings": False}
+    )
+    init = load_file(str(run / "init" / "model.safetensors"))
+    w = load_file(str(finished_tasks(run)[0].model_path))
+    assert all(torch.equal(w[k], init[k]) for k in w if "embedding" in k)
+    assert any(not torch.equal(w[k], init[k]) for k in w)
 
 
 def test_cclip_needs_an_adapter_mode(synth_stream, tmp_path):

@@ -189,6 +189,8 @@ class Method:
     itc_only = False
     #: The `--tune` modes the method works with (None: any); the loop refuses the others.
     tunes: tuple[str, ...] | None = None
+    #: parameter-name patterns that train besides what `--tune` trains (`Tuning.apply`'s `also`)
+    tune_also: tuple[str, ...] = ()
 
     def __init__(self, args: dict[str, Any] | None = None) -> None:
         self.args = self.resolve_args(args or {})
@@ -276,7 +278,15 @@ class Method:
         """Restore what `state_dict` returned (on resume, and from a finished task's folder)."""
 
 
-_PASSED = ("needs_buffer", "buffer_hint", "selects_best_val", "trains", "itc_only", "tunes")
+_PASSED = (
+    "needs_buffer",
+    "buffer_hint",
+    "selects_best_val",
+    "trains",
+    "itc_only",
+    "tunes",
+    "tune_also",
+)
 
 
 class Wrapper(Method):

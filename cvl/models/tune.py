@@ -371,9 +371,11 @@ class Tuning:
             return not name.startswith(tower)
         return False  # lora, dora: only the adapters
 
-    def apply(self, model: nn.Module, seed: int) -> None:
+    def apply(self, model: nn.Module, seed: int, also: tuple[str, ...] = ()) -> None:
         """Freeze what the mode does not train, attach the adapters (drawn from `seed`, the
-        first task's), freeze BatchNorm statistics of frozen layers; records what trains."""
+        first task's), freeze BatchNorm statistics of frozen layers; records what trains.
+        `also`: shell patterns of parameter names that train besides the mode's (a method's
+        `tune_also`, e.g. C-CLIP's embeddings beside its LoRA)."""
         self.total = sum(p.numel() for p in model.parameters())
         if self.mode == "full":
             self.trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -386,7 +388,7 @@ class Tuning:
         }
         trained: set[str] = set()
         for n, p in model.named_parameters():
-            keep = self._keeps(n, owner[n], towers)
+            keep = self._keeps(n, owner[n], towers) or any(fnmatch.fnmatchcase(n, a) for a in also)
             p.requires_grad_(keep)
             if keep:
                 trained.add(n)

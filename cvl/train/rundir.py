@@ -130,7 +130,7 @@ class RunFolder:
 
             freeze_logit_scale(self.model)
         self.tuning = Tuning(cfg.tune, cfg.tune_args)  # which parameters train (cvl.models.tune)
-        self.tuning.apply(self.model, self._tune_seed(0))
+        self.tuning.apply(self.model, self._tune_seed(0), getattr(self.method, "tune_also", ()))
         from cvl.train.plan import batchnorm_message, needs_two_rows
 
         one = [t for t, p in getattr(self, "_plans", {}).items() if p.min_rows == 1]

@@ -191,6 +191,8 @@ class Method:
     tunes: tuple[str, ...] | None = None
     #: parameter-name patterns that train besides what `--tune` trains (`Tuning.apply`'s `also`)
     tune_also: tuple[str, ...] = ()
+    #: the method's defaults for `--tune-arg`s (those the mode takes; the user's win)
+    tune_defaults: dict[str, Any] = {}
 
     def __init__(self, args: dict[str, Any] | None = None) -> None:
         self.args = self.resolve_args(args or {})
@@ -286,6 +288,7 @@ _PASSED = (
     "itc_only",
     "tunes",
     "tune_also",
+    "tune_defaults",
 )
 
 

@@ -123,13 +123,16 @@ class RunFolder:
         self._sync_batchnorm()
         self.model.to(self.acc.device)
         broadcast_module(self.model)
-        from cvl.models.tune import Tuning
+        from cvl.models.tune import Tuning, with_defaults
 
         if cfg.base_loss == "class-ce":  # as the ZSCL code: the logit scale is never trained
             from cvl.methods.base import freeze_logit_scale
 
             freeze_logit_scale(self.model)
-        self.tuning = Tuning(cfg.tune, cfg.tune_args)  # which parameters train (cvl.models.tune)
+        tune_args = with_defaults(
+            cfg.tune, getattr(self.method, "tune_defaults", {}), cfg.tune_args
+        )
+        self.tuning = Tuning(cfg.tune, tune_args)  # which parameters train (cvl.models.tune)
         self.tuning.apply(self.model, self._tune_seed(0), getattr(self.method, "tune_also", ()))
         from cvl.train.plan import batchnorm_message, needs_two_rows
 

@@ -200,9 +200,9 @@ def test_lora_per_task_builds_fomos_lora_structure():
     from cvl.models import build_model
     from cvl.models.tune import Tuning, adapted, with_defaults
 
-    def build(method):
+    def build(method, mode="lora"):
         model = build_model("clip", "tiny-vit")
-        Tuning("lora", with_defaults("lora", method.tune_defaults, {})).apply(model, 0)
+        Tuning(mode, with_defaults(mode, method.tune_defaults, {})).apply(model, 0)
         return model, {n: mod for n, mod, _ in adapted(model)}
 
     model, ad = build(LoRAPerTask())
@@ -220,6 +220,8 @@ def test_lora_per_task_builds_fomos_lora_structure():
         a.lora_B.normal_(generator=torch.Generator().manual_seed(0))
     delta = a(torch.zeros_like(mod.parametrizations.in_proj_weight.original))  # ΔW alone
     assert int(torch.linalg.matrix_rank(delta.detach(), rtol=1e-4)) == 15  # float32 products
+    _, ad_vera = build(LoRAPerTask(), "vera")  # FoMo's targets; VeRA's own rank (256)
+    assert set(ad_vera) == set(ad)
     _, ad_tune = build(LoRAPerTask({"structure": "tune"}))
     assert any(n.endswith("c_fc.weight") for n in ad_tune)
     assert any(n.endswith("out_proj.weight") for n in ad_tune)

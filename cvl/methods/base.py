@@ -191,8 +191,8 @@ class Method:
     tunes: tuple[str, ...] | None = None
     #: parameter-name patterns that train besides what `--tune` trains (`Tuning.apply`'s `also`)
     tune_also: tuple[str, ...] = ()
-    #: the method's defaults for `--tune-arg`s (those the mode takes; the user's win)
-    tune_defaults: dict[str, Any] = {}
+    #: the method's defaults for `--tune-arg`s, by `--tune` mode (the user's args win)
+    tune_defaults: dict[str, dict[str, Any]] = {}
 
     def __init__(self, args: dict[str, Any] | None = None) -> None:
         self.args = self.resolve_args(args or {})

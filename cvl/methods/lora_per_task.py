@@ -34,7 +34,7 @@ structure (`structure`):
   code attaches an adapter to it, but `nn.MultiheadAttention` reads `out_proj.weight` directly,
   never calling it). As `--tune-arg`s: rank=5 alpha=5 qkv=split targets=
   `*resblocks.*.attn.in_proj_weight+*resblocks.*.mlp.c_proj.weight`; any `--tune-arg` given
-  overrides its part (VeRA takes rank and targets). The code's class default `kv_only=True`
+  overrides its part (`--tune vera` takes the targets only: its rank is VeRA's own). The code's class default `kv_only=True`
   (k and v only) is not what its config runs. A ResNet tower has no residual blocks: it gets
   no adapters (FoMo runs ViTs). FoMo draws A Kaiming-uniform with a = √rank, cvl with a = √5:
   the same at rank 5.
@@ -87,7 +87,9 @@ class LoRAPerTask(Wrapper):
         super().__init__(args)
         self.check_choice("route", ROUTES)
         self.check_choice("structure", STRUCTURES)
-        self.tune_defaults = dict(FOMO_LORA) if self.args["structure"] == "fomo" else {}
+        if self.args["structure"] == "fomo":  # FoMo's LoRA; VeRA: its targets only
+            vera = {"targets": FOMO_LORA["targets"]}
+            self.tune_defaults = {"lora": FOMO_LORA, "dora": FOMO_LORA, "vera": vera}
         self.stored: list[dict[str, torch.Tensor]] = []
 
     def before_task(self, ctx: TaskContext) -> None:

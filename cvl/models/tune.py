@@ -322,10 +322,12 @@ def applies(mode: str, key: str) -> bool:
     return mode in _MODE_ARGS.get(key, ADAPTER_MODES if key in _ADAPTER_ARGS else MODES)
 
 
-def with_defaults(mode: str, defaults: Mapping[str, Any], args: Mapping[str, Any]) -> dict:
-    """`--tune-arg`s over a method's defaults for them (`Method.tune_defaults`: e.g.
-    `lora_per_task`'s FoMo structure), those of the defaults that `mode` takes."""
-    return {**{k: v for k, v in defaults.items() if applies(mode, k)}, **args}
+def with_defaults(
+    mode: str, defaults: Mapping[str, Mapping[str, Any]], args: Mapping[str, Any]
+) -> dict:
+    """`--tune-arg`s over a method's defaults for this mode (`Method.tune_defaults`, by mode:
+    e.g. `lora_per_task`'s FoMo structure for lora and dora)."""
+    return {**defaults.get(mode, {}), **args}
 
 
 class Tuning:

@@ -74,9 +74,24 @@ args_of() {  # $1 method, $2 setting
     zs_merge | ft_merge | ema_merge | task_arith | ties | model_stock) echo "--method $1" ;;
     seqft-lora) echo "--method seqft --tune lora" ;;
     magmax | dare | dare_ties | breadcrumbs | slerp | tall_masks | opcm | best_in_time) echo "--method $1" ;;
-    moe_adapters) echo "--method moe_adapters" ;;
+    moe_adapters) echo "--method moe_adapters $(moe_lr "$2")" ;;
     cclip | lora_per_task) echo "--method $1 --tune lora" ;;
     *) echo "error: unknown method '$1' for mtil.sh" >&2; exit 2 ;;
+  esac
+}
+# MoE-Adapters4CL's own peak rates per dataset (JiazuoYu/MoE-Adapters4CL, mtil/scripts/train/
+# train_full_shot_router11_experts22_1000iters.sh and train_few_shot_..._1000iters.sh, the `lr`
+# arrays; AdamW, no decay, 100 warm-up steps + cosine as ZSCL's); ZSCL's 1e-5 is for full
+# fine-tuning. X-TAIL (no script of theirs; few-shot, no CIFAR100) takes the few-shot rates.
+# The smoke's synthetic tasks keep the smoke's rate.
+moe_lr() {  # $1 setting
+  [ "$SMOKE" = 1 ] && return
+  case "$1" in
+    order1 | order2) echo "--lr 1e-3 --task-lr aircraft=5e-3 --task-lr cifar100=5e-3 --task-lr eurosat=1e-4 --task-lr mnist=1e-4" ;;
+    fs | xtail)
+      local t="--lr 1e-3 --task-lr aircraft=8e-3 --task-lr caltech101=5e-4 --task-lr dtd=5e-3 --task-lr food=1e-2 --task-lr mnist=1e-4 --task-lr oxford_pet=1e-2 --task-lr stanford_cars=1e-2 --task-lr sun397=1e-2"
+      [ "$1" = fs ] && t="$t --task-lr cifar100=2e-4"
+      echo "$t" ;;
   esac
 }
 preset_of() {  # the protocol preset of a setting

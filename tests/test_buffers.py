@@ -188,9 +188,27 @@ def test_cumulative_equal_splits_the_budget_among_past_steps():
         {"2016": 1, "2017": 1, "2018": 1, "2019": 1, "2020": 5},
     ]
     _nested(after)
-    # a step with less data than its share keeps all it has
+    # a step with less data than its share keeps all it has; its unused share goes to the
+    # steps that have more: min(D, items seen) = 9 held (⌊9/2⌋ = 4 for "a", 5 for "b")
     _, small = _fill("cumulative-equal", 9, {"a": 40, "b": 2})
-    assert _counts(small)[-1] == {"a": 4, "b": 2}
+    assert _counts(small)[-1] == {"a": 7, "b": 2}
+    _nested(_fill("cumulative-equal", 9, {"a": 40, "b": 2, "c": 40})[1])
+
+
+def test_cumulative_exp_gives_a_short_steps_unused_quota_to_the_others():
+    """The issue's case: sizes 1,503 then 87, D = 4,096: halving keeps 751 + 87 = 838; a buffer
+    of D holds min(D, data seen) = 1,590 (every item). Then a full step of 5,000: the shares
+    ⌊1503/2⌋ = 751, ⌊87/2⌋ = 43, new 4096 − 794 = 3,302 fit; all D held."""
+    _, after = _fill("cumulative-exp", 4096, {"a": 1503, "b": 87, "c": 5000})
+    assert _counts(after) == [
+        {"a": 1503},
+        {"a": 1503, "b": 87},
+        {"a": 751, "b": 43, "c": 3302},
+    ]
+    _nested(after)
+    # short new step, then old steps newest first: D = 10, shares 5 old / 5 new, new has 2
+    _, after = _fill("cumulative-exp", 10, {"a": 40, "b": 40, "c": 2})
+    assert _counts(after) == [{"a": 10}, {"a": 5, "b": 5}, {"a": 3, "b": 5, "c": 2}]
 
 
 def test_cumulative_all_keeps_every_past_pair_in_order():

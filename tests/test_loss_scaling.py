@@ -13,7 +13,7 @@ import json
 
 import pytest
 import torch
-from train_helpers import FAST, assert_same_task_weights, train_run
+from train_helpers import FAST, assert_same_task_weights, interrupt_then_resume, train_run
 
 import cvl.device
 from cvl.errors import CvlError
@@ -112,3 +112,48 @@ def test_fp16_on_the_cpu_is_refused(synth_stream, tmp_path):
     with pytest.raises(CvlError, match="--precision fp16 needs a GPU"):
         train_run(synth_stream, tmp_path / "r", FAST, precision="fp16", device="cpu")
     assert not (tmp_path / "r" / "run.json").exists()
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
+def test_a_loss_scaled_run_resumes_bitwise_with_its_scale(synth_stream, tmp_path, monkeypatch):
+    """The scale is checkpointed: a 2¹²⁷ start overflows task 0's first step and backs off to
+    2¹⁷ (that step skipped). Interrupted in step 3 of task 1 and resumed from `last/` (step 2),
+    the run goes on at 2¹⁷; restarted at 2¹²⁷ it would skip step 3 and save other weights."""
+    kw = dict(FAST, method="seqft", max_steps_per_task=4, checkpoint_every=1)
+    scalers = _inject_scaler(monkeypatch, 2.0**127, backoff=2.0**-110)
+
+    def train(out):
+        train_run(synth_stream, out, kw)
+
+    train(tmp_path / "a")
+    assert scalers[-1].get_scale() == 2.0**17
+    pos = interrupt_then_resume(train, all_methods()["seqft"], tmp_path / "b", monkeypatch)
+    assert pos["step"] == 2
+    assert scalers[-1].get_scale() == 2.0**17  # the resumed run's scaler
+    assert_same_task_weights(tmp_path / "a", tmp_path / "b")
+
+
+@pytest.mark.parametrize("init, backoff", [(2.0**16, 0.5), (2.0**127, 2.0**-110)])
+def test_the_importance_pass_scales_its_loss_as_a_training_step(init, backoff):
+    """Under fp16 the importance pass (EWC's / MAS's / RWalk's Fisher, AFEC's F_e) backs its
+    loss up scaled. A float16 activation with dL/dy = 2⁻³⁰ (below float16's smallest
+    subnormal, 2⁻²⁴) flushes to 0 unscaled; at S = 2¹⁶ it is 2⁻¹⁴ (exact), so g = 2⁻³⁰·x and
+    the Fisher is g² = 2⁻⁶⁰·x² exactly. A scale that overflows (2¹²⁷) backs off (to 2¹⁷)."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from cvl.methods.regularizers import importance_pass
+
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.tensor([3.0, -2.0]))
+
+    def objective(m, batch, ctx):
+        y = (m.w * batch["x"]).half()  # a float16 activation, as under fp16 autocast
+        return y.float().sum() * 2.0**-30
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=init, backoff_factor=backoff)
+    acc = SimpleNamespace(scaler=scaler, autocast=contextlib.nullcontext)
+    ctx = SimpleNamespace(accelerator=acc, config=None, task_index=0)
+    (f,) = importance_pass(model, iter([{"x": torch.tensor([1.0, 0.5])}]), objective, ctx)
+    assert f.tolist() == [2.0**-60, 2.0**-62]
+    assert scaler.get_scale() == init  # read, not updated: the pass is no training step

@@ -74,7 +74,7 @@ def test_magmax_against_its_code():
         for tv in taus[1:]:
             m = torch.where(tv[key].abs() >= m.abs(), tv[key], m)
         want[key] = zs[key] + 0.5 * m
-    got = merge_operator("magmax")(fts, zs)
+    got = merge_operator("magmax")(fts[::-1], zs)  # the operator takes the newest first
     assert all(torch.equal(got[k], want[k]) for k in zs)
     flat = torch.vstack([torch.cat([t[k].reshape(-1) for k in zs]) for t in taus])  # FoMo
     sel = flat[flat.abs().argmax(0), torch.arange(flat.shape[1])]
@@ -82,6 +82,14 @@ def test_magmax_against_its_code():
         torch.cat([got[k].reshape(-1) for k in zs]),
         torch.cat([zs[k].reshape(-1) for k in zs]) + 0.5 * sel,
     )
+
+
+def test_magmax_operator_breaks_a_tie_towards_the_newer_task():
+    """|τ| tie in entry 0: merge_max_abs (`>=`, task order) and the method keep the later task's
+    −1; the operator takes its models newest first and must agree (λ = 0.5)."""
+    zs = {"w": T([0.0, 0.0])}
+    new, old = {"w": T([-1.0, 2.0])}, {"w": T([1.0, 1.0])}
+    assert merge_operator("magmax")([new, old], zs)["w"].tolist() == [-0.5, 1.0]
 
 
 # -- DARE --------------------------------------------------------------------------------------
@@ -99,11 +107,33 @@ def test_dare_against_fusion_bench():
     tau = rand_state(3, SHAPES)
     g = torch.Generator().manual_seed(7)
     want = {}
-    for k, v in tau.items():
-        mask = torch.rand(v.shape, generator=g) > 0.5
-        want[k] = v * mask / (1 - 0.5)
+    for k in sorted(tau):  # the draws in name order (the docstring), not the dict's
+        mask = torch.rand(tau[k].shape, generator=g) > 0.5
+        want[k] = tau[k] * mask / (1 - 0.5)
     got = merge_ops.dare(tau, 0.5, torch.Generator().manual_seed(7))
     assert all(torch.equal(got[k], want[k]) for k in tau)
+    backwards = {k: tau[k] for k in reversed(tau)}
+    again = merge_ops.dare(backwards, 0.5, torch.Generator().manual_seed(7))
+    assert all(torch.equal(again[k], want[k]) for k in tau)
+
+
+def test_dare_operator_is_the_method_merge():
+    """merge_operator("dare") on [θ̂_1, θ̂_0] (newest first): θ_0 + 0.3·(τ̃_0 + τ̃_1) with τ̃_i's
+    mask drawn from seed + i (the method's task index), tensors in name order; the dicts' key
+    order does not matter."""
+    zs = rand_state(0, SHAPES)
+    fts = [rand_state(i + 20, SHAPES) for i in range(2)]
+    want = {k: v.clone() for k, v in zs.items()}
+    for i, f in enumerate(fts):
+        g = torch.Generator().manual_seed(5 + i)
+        for k in sorted(zs):
+            want[k] += 0.3 * (f[k] - zs[k]) * (torch.rand(zs[k].shape, generator=g) > 0.5) / 0.5
+    op = merge_operator("dare", seed=5)
+    got = op(fts[::-1], zs)
+    assert all(torch.allclose(got[k], want[k], atol=1e-12) for k in zs)
+    flip = [{k: m[k] for k in reversed(m)} for m in (fts[1], fts[0], zs)]
+    again = op(flip[:2], flip[2])
+    assert all(torch.equal(again[k], got[k]) for k in zs)
 
 
 def test_dare_method_is_task_arithmetic_of_dropped_vectors_seeded_per_task():
@@ -127,7 +157,7 @@ def test_dare_ties_against_fusion_bench():
     for i, f in enumerate(fts):
         g = torch.Generator().manual_seed(i)  # seed 0 + task index
         tv = {k: f[k] - zs[k] for k in zs}
-        for k in tv:
+        for k in sorted(tv):  # name order
             tv[k] = tv[k] * (torch.rand(tv[k].shape, generator=g) > 0.5) / 0.5
         flat_taus.append(torch.cat([tv[k].reshape(-1) for k in zs]))
     m = torch.vstack(flat_taus)

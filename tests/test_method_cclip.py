@@ -83,8 +83,10 @@ def test_projectors():
 
 @pytest.mark.slow
 def test_alpha_integrates_half_the_task_delta(synth_stream, tmp_path):
-    """θ^0 = θ_init + α·ΔW: the same training with α = 0.5 moves the weights half as far as
-    with α = 1 (only the merge differs); the projector is method state, not in the model."""
+    """θ^0 = θ_init + α·ΔW: the same training with α = 0.5 moves the LoRA-adapted weights half
+    as far as with α = 1 (only the merge differs); the embeddings, which C-CLIP trains directly
+    (the paper: most trainable parameters are embedding layers), move and are the same in both
+    (not scaled by α); the projector is method state, not in the model."""
     for a in (0.5, 1.0):
         train_run(
             synth_stream,
@@ -98,12 +100,45 @@ def test_alpha_integrates_half_the_task_delta(synth_stream, tmp_path):
     half, full = (
         load_file(str(finished_tasks(tmp_path / str(a))[0].model_path)) for a in (0.5, 1.0)
     )
+    emb = {k for k in init if "embedding" in k}  # the tiny ResNet CLIP: its attention pool's
+    assert {"clip.token_embedding.weight", "clip.visual.attnpool.positional_embedding"} <= emb
     moved = [k for k in init if not torch.equal(init[k], full[k])]
-    assert moved and set(half) == set(init)
-    for k in moved:
+    assert emb <= set(moved) and set(half) == set(init)
+    assert "clip.logit_scale" not in moved  # frozen, as KoyoImai
+    for k in emb:
+        assert torch.equal(half[k], full[k]), k
+    for k in set(moved) - emb:
         assert torch.allclose(half[k] - init[k], 0.5 * (full[k] - init[k]), atol=1e-6), k
     st = load_state(finished_tasks(tmp_path / "0.5")[0].path, "method_state")["method"]
     assert "net.1.running_mean" in st["projector"]  # BatchNorm statistics saved too
+
+
+def test_cclip_trains_the_embeddings_of_a_vit_beside_its_lora():
+    """On a ViT CLIP: token, positional (both towers) and class embeddings train; the logit
+    scale and the other plain weights stay frozen (only their adapters train)."""
+    from cvl.models import build_model
+    from cvl.models.tune import Tuning
+
+    model = build_model("clip", "tiny-vit")
+    Tuning("lora").apply(model, 0, CCLIP().tune_also)
+    plain = {n for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n}
+    assert plain == {
+        "clip.token_embedding.weight",
+        "clip.positional_embedding",
+        "clip.visual.class_embedding",
+        "clip.visual.positional_embedding",
+    }
+
+
+def test_cclip_embeddings_false_trains_the_lora_alone(synth_stream, tmp_path):
+    run = tmp_path / "r"
+    train_run(
+        synth_stream, run, SHORT, method="cclip", tune="lora", method_args={"embeddings": False}
+    )
+    init = load_file(str(run / "init" / "model.safetensors"))
+    w = load_file(str(finished_tasks(run)[0].model_path))
+    assert all(torch.equal(w[k], init[k]) for k in w if "embedding" in k)
+    assert any(not torch.equal(w[k], init[k]) for k in w)
 
 
 def test_cclip_needs_an_adapter_mode(synth_stream, tmp_path):
@@ -132,9 +167,70 @@ def test_average_adapters_averages_factors_not_deltas():
 
 
 def _delta(adapters: dict, plain: str, scale: float = 1.0) -> torch.Tensor:
+    """s·B·A, or FoMo's `LoRA_MHA`: s·cat_i(B_i·A_i) over the q/k/v row blocks."""
     mod, _, t = plain.rpartition(".")
     pre = f"{mod}.parametrizations.{t}.0."
-    return scale * adapters[pre + "lora_B"] @ adapters[pre + "lora_A"]
+    a, b = adapters[pre + "lora_A"], adapters[pre + "lora_B"]
+    r = b.shape[1]
+    p = a.shape[0] // r
+    o = b.shape[0] // p
+    return scale * torch.cat([b[i * o : (i + 1) * o] @ a[i * r : (i + 1) * r] for i in range(p)])
+
+
+def test_split_adapter_by_hand():
+    """parts = 3, rank 1, W 6×2: ΔW = s·[B_1·A_1; B_2·A_2; B_3·A_3] (FoMo's LoRA_MHA), rank 3."""
+    from cvl.models.adapters import Adapter
+
+    w = torch.zeros(6, 2)
+    a = Adapter(w, rank=1, alpha=2.0, dora=False, parts=3)
+    assert a.lora_A.shape == (3, 2) and a.lora_B.shape == (6, 1)
+    with torch.no_grad():
+        a.lora_A.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]))
+        a.lora_B.copy_(torch.tensor([[1.0], [2.0], [3.0], [4.0], [5.0], [6.0]]))
+    want = 2.0 * torch.tensor([[1.0, 0], [2, 0], [0, 3], [0, 4], [5, 5], [6, 6]])
+    assert torch.equal(a(w), want)
+    assert int(torch.linalg.matrix_rank(want)) == 2  # > r = 1 (rows 5–6 ∈ span of the others)
+
+
+def test_lora_per_task_builds_fomos_lora_structure():
+    """structure=fomo (default): in every residual block of both towers, q/k/v get their own
+    rank-5 factors (the in-projection delta reaches rank 15 > 5), the MLP's c_proj a rank-5
+    LoRA; c_fc and the out-projection get none (FoMo's `_attach_adapters`; config rank 5,
+    scale 1, kv_only False). structure=tune keeps cvl's fused factors on every linear weight."""
+    from cvl.models import build_model
+    from cvl.models.tune import Tuning, adapted, with_defaults
+
+    def build(method, mode="lora"):
+        model = build_model("clip", "tiny-vit")
+        Tuning(mode, with_defaults(mode, method.tune_defaults, {})).apply(model, 0)
+        return model, {n: mod for n, mod, _ in adapted(model)}
+
+    model, ad = build(LoRAPerTask())
+    blocks = [n for n, _ in model.named_modules() if n.endswith("resblocks.0")]
+    assert len(blocks) == 2  # both towers
+    assert all(n.endswith(("attn.in_proj_weight", "mlp.c_proj.weight")) for n in ad), list(ad)
+    n_blocks = sum(1 for n, _ in model.named_modules() if re_block(n))
+    assert len(ad) == 2 * n_blocks
+    name = next(n for n in ad if n.endswith("in_proj_weight"))
+    mod = ad[name]
+    a = mod.parametrizations.in_proj_weight[0]
+    d = mod.in_proj_weight.shape[1]
+    assert a.lora_A.shape == (15, d) and a.lora_B.shape == (3 * d, 5) and a.scale == 1.0
+    with torch.no_grad():
+        a.lora_B.normal_(generator=torch.Generator().manual_seed(0))
+    delta = a(torch.zeros_like(mod.parametrizations.in_proj_weight.original))  # ΔW alone
+    assert int(torch.linalg.matrix_rank(delta.detach(), rtol=1e-4)) == 15  # float32 products
+    _, ad_vera = build(LoRAPerTask(), "vera")  # FoMo's targets; VeRA's own rank (256)
+    assert set(ad_vera) == set(ad)
+    _, ad_tune = build(LoRAPerTask({"structure": "tune"}))
+    assert any(n.endswith("c_fc.weight") for n in ad_tune)
+    assert any(n.endswith("out_proj.weight") for n in ad_tune)
+
+
+def re_block(name: str) -> bool:
+    import re
+
+    return re.search(r"resblocks\.\d+$", name) is not None
 
 
 @pytest.mark.slow

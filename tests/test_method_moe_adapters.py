@@ -47,8 +47,7 @@ def _moe_by_hand():
     spec.update(scale=0.5, dropout=0.0)
     m = ml.MoEAdapter(2, spec).eval()
     with torch.no_grad():
-        m.w_gate.zero_()
-        m.w_gate[1] = torch.tensor([[1.0, 0.0], [0.0, 0.0]])  # task 1: logits (x0_0, 0)
+        m.w_gate[1].copy_(torch.tensor([[1.0, 0.0], [0.0, 0.0]]))  # task 1: logits (x0_0, 0)
         for e, ex in enumerate(m.experts):
             ex.down.weight.copy_(torch.tensor([[1.0, 1.0]]))  # h = relu(x_0 + x_1)
             ex.up.weight.copy_(torch.tensor([[1.0], [0.0]]) * (e + 1))  # expert e: (e+1)·h, 0
@@ -135,7 +134,9 @@ def test_what_trains_in_task_two():
     assert "clip.visual.transformer.resblocks.0.moe.experts.0.up.weight" in train
     assert "moe_state.ddas.image.enc.1.weight" in train
     assert "moe_state.ddas.image.enc.0.weight" not in train
-    assert "clip.transformer.resblocks.1.moe.w_gate" in train
+    assert "clip.transformer.resblocks.1.moe.w_gate.1" in train
+    assert "clip.transformer.resblocks.1.moe.w_noise.1" in train
+    assert "clip.transformer.resblocks.1.moe.w_gate.0" not in train
     assert model.moe_state.task == 1
 
 
@@ -218,7 +219,8 @@ def test_trains_and_freezes_through_the_loop(synth_stream, tmp_path):
         if ".moe." not in k and not k.startswith("moe_state"):
             assert all(torch.equal(v, x[k]) for x in w), k
     gate = "clip.visual.transformer.resblocks.0.moe.w_gate"
-    assert w[0][gate][0].abs().sum() > 0 and torch.all(w[0][gate][1:] == 0)
+    assert w[0][f"{gate}.0"].abs().sum() > 0
+    assert all(torch.all(w[0][f"{gate}.{t}"] == 0) for t in (1, 2))
     assert int(w[-1]["moe_state.done"]) == len(done)
     fr = "clip.visual.transformer.resblocks.0.moe.frozen"
     assert int(w[0][fr].sum()) == 1
@@ -226,6 +228,33 @@ def test_trains_and_freezes_through_the_loop(synth_stream, tmp_path):
     up = f"clip.visual.transformer.resblocks.0.moe.experts.{e}.up.weight"
     assert torch.equal(w[0][up], w[-1][up])
     assert all(float(x["moe_state.ddas.image.threshold"]) > 0 for x in w)
+
+
+def test_finished_routers_do_not_move_under_weight_decay(synth_stream, tmp_path):
+    """The code keeps one router per task (`router_list[task_id]`): in task 1 AdamW's decay
+    (0.1 here) must leave task 0's router exactly as task 0 left it (a stacked parameter
+    shrank it by lr·wd per step), while task 1's own router trains."""
+    run = tmp_path / "r"
+    _train(synth_stream, run, 2, model_config="tiny-vit", weight_decay=0.1, lr=5e-4)
+    w = [load_file(str(d.model_path)) for d in finished_tasks(run)]
+    for tower in ("clip.visual.transformer", "clip.transformer"):
+        for name in ("w_gate", "w_noise"):
+            k = f"{tower}.resblocks.0.moe.{name}"
+            assert w[0][f"{k}.0"].abs().sum() > 0
+            assert torch.equal(w[1][f"{k}.0"], w[0][f"{k}.0"]), k
+            assert torch.equal(w[2][f"{k}.0"], w[0][f"{k}.0"]), k
+            assert torch.equal(w[2][f"{k}.1"], w[1][f"{k}.1"]), k
+    assert w[1]["clip.transformer.resblocks.0.moe.w_gate.1"].abs().sum() > 0
+
+
+def test_a_stacked_router_checkpoint_loads_per_task():
+    """Weights saved when the routers were one [T, d, E] tensor load row by row."""
+    spec = {**MoEAdapters.defaults, **SMALL, "tasks": 2}
+    m = ml.MoEAdapter(4, spec)
+    old = {k: v for k, v in m.state_dict().items() if not k.startswith("w_")}
+    gate, noise = torch.randn(2, 4, 3), torch.randn(2, 4, 3)
+    m.load_state_dict({**old, "w_gate": gate, "w_noise": noise})
+    assert torch.equal(m.w_gate[1], gate[1]) and torch.equal(m.w_noise[0], noise[0])
 
 
 def test_resume_inside_task_two_is_bitwise_on_both_towers(synth_stream, tmp_path, monkeypatch):

@@ -109,6 +109,19 @@ def test_rsqrt_meta_schedules():
     assert h(16) == pytest.approx(0.3136485387, abs=1e-9)
 
 
+def test_rsqrt_recovery_peaks_are_capped_where_the_warmup_outlasts_the_task():
+    """W = 30 steps, S = 20, C = 2 (outside FoMo's domain, W > S − C): FoMo's rsqrt-ar peak
+    √(2·30 / (20 + 30)) = √1.2 and rsqrt-cont's √(30 / (2·18 − 30)) = √5 exceed 1 (task 2's
+    denominator 3·18 − 2·30 < 0); cvl caps both at --lr: the warm-up ends at 1 (step W − 1)."""
+    c = dict(cooldown=2)
+    for name, pos in (
+        ("rsqrt-ar", TaskPosition(1, 20, (20,))),
+        ("rsqrt-cont", TaskPosition(2, 20, (20, 20))),
+    ):
+        f = lr_multiplier(cfg(name, 30, 0.0, **c), pos)
+        assert f(29) == 1.0 and f(0) == pytest.approx(1 / 30)
+
+
 def test_stream_cosine_over_the_plan():
     # plan 10 + 20 + 10 steps, warm-up 0.1 · 40 = 4 steps, r = 0: one cosine over 40 steps
     c = cfg("stream-cosine", 0.1)

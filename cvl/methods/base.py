@@ -190,6 +190,10 @@ class Method:
     itc_only = False
     #: The `--tune` modes the method works with (None: any); the loop refuses the others.
     tunes: tuple[str, ...] | None = None
+    #: parameter-name patterns that train besides what `--tune` trains (`Tuning.apply`'s `also`)
+    tune_also: tuple[str, ...] = ()
+    #: the method's defaults for `--tune-arg`s, by `--tune` mode (the user's args win)
+    tune_defaults: dict[str, dict[str, Any]] = {}
 
     def __init__(self, args: dict[str, Any] | None = None) -> None:
         self.args = self.resolve_args(args or {})
@@ -277,7 +281,16 @@ class Method:
         """Restore what `state_dict` returned (on resume, and from a finished task's folder)."""
 
 
-_PASSED = ("needs_buffer", "buffer_hint", "selects_best_val", "trains", "itc_only", "tunes")
+_PASSED = (
+    "needs_buffer",
+    "buffer_hint",
+    "selects_best_val",
+    "trains",
+    "itc_only",
+    "tunes",
+    "tune_also",
+    "tune_defaults",
+)
 
 
 class Wrapper(Method):

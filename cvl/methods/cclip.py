@@ -42,6 +42,16 @@ re-implementations transcribe them, and they differ where marked:
 - Both: α = 0.5, τ = 0.07, the old model frozen (the previous task's final, integrated model;
   on task 0 the initial weights), the projector used only for CKC and never deployed (it is
   method state, not part of the checkpoint).
+- What trains besides the LoRA (`embeddings`, default true): the token, positional and class
+  embeddings of both towers (open_clip's `token_embedding`, `positional_embedding`,
+  `visual.class_embedding`, `visual.positional_embedding`; a ResNet tower's attention-pool
+  positional embedding too), trained directly. The paper's discussion of its Table 6 says most
+  of C-CLIP's trainable parameters are embedding layers; KoyoImai trains exactly these
+  (`CCLIP.__init__`, citing the paper's §5.2) and leaves the projections and the logit scale
+  frozen, as here (the paper names embedding layers only). The official code, which would
+  settle it, could not be read. Their update is not scaled by α (KoyoImai's `merge_lora`
+  scales only the LoRA deltas): θ^t keeps the task's trained embeddings. `embeddings=false`:
+  the LoRA alone trains (cvl's other adapter methods' rule: embeddings are never adapted).
 - Not taken from either: their LoRA placement (q/v and MLP of each block) — cvl's `--tune lora`
   targets every linear weight by default (`--tune-arg targets=` narrows it); their per-tower
   learning rates (text 10× image, appendix A.2) — cvl has one `--lr`.
@@ -67,6 +77,8 @@ from cvl.methods.registry import register
 from cvl.models.tune import scale_adapters_
 
 LAYOUTS = ("concat", "stack")
+#: the embedding layers C-CLIP trains beside its LoRA (`embeddings=true`; module docstring)
+EMBEDDINGS = ("*token_embedding.weight", "*positional_embedding", "*class_embedding")
 PROJECTORS = ("mlp", "linear")
 
 
@@ -147,6 +159,7 @@ class CCLIP(Method):
         "layout": "concat",
         "first_task": True,
         "projector_reset": False,
+        "embeddings": True,
     }
     tunes = ("lora", "vera")
 
@@ -160,6 +173,7 @@ class CCLIP(Method):
             raise CvlError(f"method 'cclip': hidden must be >= 0 (got {self.args['hidden']})")
         self.old: nn.Module | None = None
         self.projector: Projector | None = None
+        self.tune_also = EMBEDDINGS if self.args["embeddings"] else ()
 
     def _seed(self, ctx: TaskContext, task: int) -> torch.Generator:
         from cvl.data.reader import sample_seed

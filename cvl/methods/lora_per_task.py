@@ -22,12 +22,28 @@ built: it is not one set of weights, and cvl's checkpoints are plain `model.safe
 that `cvl eval` scores as one model (it would need K passes per set and a max over K
 similarity matrices in every metric).
 
-The adapter is cvl's `--tune lora` (or `dora`, `vera`): the method requires one. FoMo's own
-LoRA (rank 5, scale 1, key/value only in attention) differs from cvl's defaults (rank 8,
-α = 8, every linear weight: `--tune-arg rank=5` and `targets=` narrow it). The method wraps a
-base method (`base=NAME`, default `seqft`: FoMo's plain contrastive training), whose losses
-and hooks run unchanged; the stored adapters (one set of small tensors per task) are method
-state, saved with each task and restored on resume.
+The adapter is cvl's `--tune lora` (or `dora`, `vera`): the method requires one. Its
+structure (`structure`):
+
+- `fomo` (default): FoMo's LoRA as its code builds it for open_clip (`_attach_adapters`,
+  `LoRA_MHA`, `LoRA_Linear`; `configs/config.yaml` `lora_per_task`: rank 5, scale 1,
+  `kv_only: False`, every residual block of both towers): the attention's fused in-projection
+  gets separate rank-5 factors for q, k and v (ΔW_in = [B_q·A_q; B_k·A_k; B_v·A_v], rank up
+  to 15), the MLP's second layer (`c_proj`) a LoRA; the MLP's first layer is skipped (its
+  name holds "fc", which the code excludes) and so is the attention's out-projection (the
+  code attaches an adapter to it, but `nn.MultiheadAttention` reads `out_proj.weight` directly,
+  never calling it). As `--tune-arg`s: rank=5 alpha=5 qkv=split targets=
+  `*resblocks.*.attn.in_proj_weight+*resblocks.*.mlp.c_proj.weight`; any `--tune-arg` given
+  overrides its part (`--tune vera` takes the targets only: its rank is VeRA's own). The code's class default `kv_only=True`
+  (k and v only) is not what its config runs. A ResNet tower has no residual blocks: it gets
+  no adapters (FoMo runs ViTs). FoMo draws A Kaiming-uniform with a = √rank, cvl with a = √5:
+  the same at rank 5.
+- `tune`: the `--tune-arg`s as given (cvl's defaults: rank 8, α = 8, one fused factor over
+  every linear weight, the MLP's first layer and the out-projection included).
+
+The method wraps a base method (`base=NAME`, default `seqft`: FoMo's plain contrastive
+training), whose losses and hooks run unchanged; the stored adapters (one set of small
+tensors per task) are method state, saved with each task and restored on resume.
 """
 
 from __future__ import annotations
@@ -44,6 +60,14 @@ from cvl.models.tune import adapter_tensors, assign_, load_adapter_tensors, trai
 from cvl.runs import MODEL_FILE
 
 ROUTES = ("average", "task")
+STRUCTURES = ("fomo", "tune")
+#: FoMo-in-Flux's LoRA structure for open_clip as `--tune-arg` defaults (module docstring)
+FOMO_LORA = {
+    "rank": 5,
+    "alpha": 5.0,
+    "qkv": "split",
+    "targets": "*resblocks.*.attn.in_proj_weight+*resblocks.*.mlp.c_proj.weight",
+}
 
 
 def average_adapters(stored: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -56,12 +80,16 @@ def average_adapters(stored: list[dict[str, torch.Tensor]]) -> dict[str, torch.T
 class LoRAPerTask(Wrapper):
     """A LoRA per task on the frozen start, kept separate; deploys their average (FoMo) or the task's own."""
 
-    defaults = {"base": "seqft", "route": "average"}
+    defaults = {"base": "seqft", "route": "average", "structure": "fomo"}
     tunes = ("lora", "dora", "vera")
 
     def __init__(self, args: dict[str, Any] | None = None) -> None:
         super().__init__(args)
         self.check_choice("route", ROUTES)
+        self.check_choice("structure", STRUCTURES)
+        if self.args["structure"] == "fomo":  # FoMo's LoRA; VeRA: its targets only
+            vera = {"targets": FOMO_LORA["targets"]}
+            self.tune_defaults = {"lora": FOMO_LORA, "dora": FOMO_LORA, "vera": vera}
         self.stored: list[dict[str, torch.Tensor]] = []
 
     def before_task(self, ctx: TaskContext) -> None:

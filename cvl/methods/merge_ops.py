@@ -35,16 +35,17 @@ def max_abs(taus: Sequence[Weights]) -> Weights:
 # -- DARE ----------------------------------------------------------------------------------------
 @torch.no_grad()
 def dare(tau: Weights, p: float, generator: torch.Generator) -> Weights:
-    """Drop And REscale: each entry kept where u > p (u ~ U[0, 1), one draw per entry, in the
-    vector's name order, drawn on the generator's device) and divided by 1 − p
-    (tanganke/fusion_bench, `fusion_bench/method/dare/utils.py`, `param_random_drop_`:
-    `mask = torch.rand_like(param) > sparsity_level`, then `/ (1 - sparsity_level)`).
+    """Drop And REscale: each entry kept where u > p (u ~ U[0, 1), one draw per entry, the
+    tensors drawn in sorted name order whatever the dict's order, on the generator's device)
+    and divided by 1 − p (tanganke/fusion_bench, `fusion_bench/method/dare/utils.py`,
+    `param_random_drop_`: `mask = torch.rand_like(param) > sparsity_level`, then
+    `/ (1 - sparsity_level)`; it draws from the global RNG in `parameters()` order, so its
+    masks are no fixed sequence: the sorted order makes the masks a function of the names).
     p = 1 drops everything (no rescale: nothing is left)."""
+    masks = {k: torch.rand(tau[k].shape, generator=generator) > p for k in sorted(tau)}
     out = {}
     for k, v in tau.items():
-        u = torch.rand(v.shape, generator=generator, dtype=torch.float32)
-        keep = (u > p).to(v.device)
-        out[k] = v * keep / (1.0 - p) if p < 1.0 else torch.zeros_like(v)
+        out[k] = v * masks[k].to(v.device) / (1.0 - p) if p < 1.0 else torch.zeros_like(v)
     return out
 
 

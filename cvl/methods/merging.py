@@ -172,9 +172,14 @@ OPERATORS: dict[str, Callable[..., MergeOperator]] = {
     "interpolation": interpolation,
     "slerp": slerp,
     "task_arithmetic": lambda lam=1.0: task_vector_operator(lambda t: sum_weights(t), lam),
-    "magmax": lambda lam=0.5: task_vector_operator(merge_ops.max_abs, lam),
+    # the models come newest first: magmax folds them oldest first (a tie goes to the newer
+    # task, as the `magmax` method and its code), dare seeds model i by its task index n−1−i
+    # (as the `dare` method: seed + task index), so both equal their methods' merges
+    "magmax": lambda lam=0.5: task_vector_operator(lambda t: merge_ops.max_abs(t[::-1]), lam),
     "dare": lambda p=0.5, lam=0.3, seed=0: task_vector_operator(
-        lambda t: sum_weights([merge_ops.dare(x, p, _seeded(seed + i)) for i, x in enumerate(t)]),
+        lambda t: sum_weights(
+            [merge_ops.dare(x, p, _seeded(seed + len(t) - 1 - i)) for i, x in enumerate(t)]
+        ),
         lam,
     ),
     "breadcrumbs": lambda keep=0.2, remove=0.1, lam=0.4: task_vector_operator(

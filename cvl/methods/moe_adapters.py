@@ -24,8 +24,9 @@ shared by the tasks. The code computes Shazeer's load-balancing loss (cv²(impor
 cv²(load), × 1e-2) into a local variable and never adds it to the objective; it is not built.
 
 **What trains** (`mtil/src/models/finetune.py` `finetune`): only experts and routers (every
-CLIP weight is frozen; so are a ResNet tower's BatchNorm statistics: route −1 is the start); in task t the router of task t (the other routers get no gradient:
-they are not used) and every expert not frozen. After each task, for each block of each tower
+CLIP weight is frozen; so are a ResNet tower's BatchNorm statistics: route −1 is the start); in task t the router of task t and every expert not frozen. Each
+task's router is its own parameter, as the code's lists: the other routers are in no later
+task's optimizer, so neither their gradient nor weight decay moves them. After each task, for each block of each tower
 the `freeze_top` = 2 experts the task's rows chose most often (`choose_map`, counted per row
 among its top k over the task's training) are added to the frozen list (`frozen_list_*`
 file): frozen for every later task (`--frozen`).
@@ -190,8 +191,8 @@ class MoEAdapters(Method):
         for p in model.parameters():
             p.requires_grad_(False)
         for m in self._layers(model):
-            m.w_gate.requires_grad_(True)  # only row t gets a gradient (the others unused)
-            m.w_noise.requires_grad_(True)
+            m.w_gate[t].requires_grad_(True)  # task t's router only: the others do not
+            m.w_noise[t].requires_grad_(True)  # train (not in the optimizer: no decay moves them)
             for e, expert in enumerate(m.experts):
                 for p in expert.parameters():
                     p.requires_grad_(not bool(m.frozen[e]))

@@ -65,7 +65,11 @@ def top_k_gates(
 
 
 class MoEAdapter(nn.Module):
-    """E experts and one router (w_gate, w_noise ∈ R^{d×E}, zero-initialised) per task.
+    """E experts and one router (w_gate[t], w_noise[t] ∈ R^{d×E}, zero-initialised) per task.
+
+    Each task's router is its own parameter (the source's `router_list`, `w_noise_list`), so a
+    finished task's router is in no later task's optimizer: no weight decay or moment moves it
+    (one stacked [T, d, E] parameter would put every row in the decay group of every task).
 
     `forward(x)` with `routes` set (`routed`): x [B, L, d] (batch first), routes [B] (a task
     index per row, −1: no adapter, the zero-shot block). Each row's router reads its first
@@ -84,8 +88,9 @@ class MoEAdapter(nn.Module):
             Adapter(dim, int(spec["bottleneck"]), float(spec["scale"]), self.dropout)
             for _ in range(e)
         )
-        self.w_gate = nn.Parameter(torch.zeros(t, dim, e))
-        self.w_noise = nn.Parameter(torch.zeros(t, dim, e))
+        self.w_gate = nn.ParameterList(nn.Parameter(torch.zeros(dim, e)) for _ in range(t))
+        self.w_noise = nn.ParameterList(nn.Parameter(torch.zeros(dim, e)) for _ in range(t))
+        self.register_load_state_dict_pre_hook(_split_stacked_routers)
         self.register_buffer("counts", torch.zeros(e, dtype=torch.float64))
         self.register_buffer("frozen", torch.zeros(e, dtype=torch.bool))
         self.routes: torch.Tensor | None = None  # set around each encode (`routed`)
@@ -112,10 +117,10 @@ class MoEAdapter(nn.Module):
     def gates(self, x0: torch.Tensor, routes: torch.Tensor) -> torch.Tensor:
         """Gates [B, E] of the rows' routers on their first tokens x0 [B, d]."""
         r = routes.clamp(min=0)
-        clean = torch.einsum("bd,bde->be", x0, self.w_gate[r].to(x0.dtype))
+        clean = torch.einsum("bd,bde->be", x0, _rows(self.w_gate, r).to(x0.dtype))
         if not self.training:
             return top_k_gates(clean, self.k)
-        raw = torch.einsum("bd,bde->be", x0, self.w_noise[r].to(x0.dtype))
+        raw = torch.einsum("bd,bde->be", x0, _rows(self.w_noise, r).to(x0.dtype))
         std = F.softplus(raw) + self.noise_eps
         noise = self._draw((clean.shape[1],), x0.shape[0], 0, x0.device).to(x0.dtype)
         return top_k_gates(clean, self.k, std, noise)
@@ -138,6 +143,21 @@ class MoEAdapter(nn.Module):
                 mask = torch.special.ndtr(u) >= self.dropout
             y = y + (g[:, e, None, None] * expert(x, mask)).to(y.dtype)
         return y
+
+
+def _rows(routers: nn.ParameterList, r: torch.Tensor) -> torch.Tensor:
+    """The routers [B, d, E] of the rows' tasks r [B]."""
+    return torch.stack(list(routers))[r]
+
+
+def _split_stacked_routers(module, state_dict, prefix, *_args) -> None:
+    """A checkpoint from before the routers were one parameter per task (`w_gate` [T, d, E])
+    loads as T parameters (`w_gate.0` ...)."""
+    for name in ("w_gate", "w_noise"):
+        stacked = state_dict.pop(prefix + name, None)
+        if stacked is not None:
+            for i, row in enumerate(stacked.unbind(0)):
+                state_dict[f"{prefix}{name}.{i}"] = row
 
 
 def _block_forward(self: nn.Module, q_x, k_x=None, v_x=None, attn_mask=None):

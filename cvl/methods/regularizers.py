@@ -123,6 +123,8 @@ def importance_pass(
 
     Trainable parameters only; the model runs in eval mode; its gradients are cleared after.
     Each batch re-seeds `ctx.generator` (MLM masking) from the run seed, task and batch index.
+    The objective runs under the step's autocast; under fp16 (a GradScaler) it back-propagates
+    loss scaled (`_scaled_backward`), so small gradients do not flush to zero in float16.
     """
     from cvl.data.reader import sample_seed
 
@@ -136,16 +138,18 @@ def importance_pass(
     for i, batch in enumerate(batches):
         if max_batches and i >= max_batches:
             break
-        ctx.generator = torch.Generator().manual_seed(sample_seed(seed, ctx.task_index, 99, i))
-        for p in params:
-            p.grad = None
-        if autocast is not None:
+
+        def run_objective(batch: dict = batch, i: int = i) -> torch.Tensor:
+            for p in params:
+                p.grad = None
+            # (re)seeded per try: a batch redone at a lower loss scale draws the same masks
+            ctx.generator = torch.Generator().manual_seed(sample_seed(seed, ctx.task_index, 99, i))
+            if autocast is None:
+                return objective(model, batch, ctx)
             with autocast():
-                loss = objective(model, batch, ctx)
-        else:
-            loss = objective(model, batch, ctx)
-        loss.backward()
-        average_gradients(params)
+                return objective(model, batch, ctx)
+
+        _scaled_backward(run_objective, params, ctx)
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         if square:
             torch._foreach_addcmul_(acc, grads, grads)
@@ -158,6 +162,31 @@ def importance_pass(
     if n:
         torch._foreach_div_(acc, float(n))
     return acc
+
+
+def _scaled_backward(
+    run: Callable[[], torch.Tensor], params: list[torch.Tensor], ctx: TaskContext
+) -> None:
+    """Rank-averaged gradients of `run()`'s loss in `params`. Under fp16 (the loop's
+    GradScaler enabled) the loss is multiplied by the scaler's scale S before the backward
+    and the gradients divided by S after, as the training step's are; where they overflow
+    (on any rank) the batch is redone at S·backoff (the scaler's rule; S ≥ 1; the averaged gradients, so every rank agrees). A power-of-two
+    S moves only exponents: in float32 the result is the unscaled one bit for bit. The loop's
+    scaler is read, never updated (the pass is no training step)."""
+    scaler = getattr(ctx.accelerator, "scaler", None) if ctx.accelerator is not None else None
+    if scaler is None or not scaler.is_enabled():
+        run().backward()
+        average_gradients(params)
+        return
+    scale = float(scaler.get_scale())
+    while True:
+        (run() * scale).backward()
+        average_gradients(params)
+        grads = [p.grad for p in params if p.grad is not None]  # the same on every rank
+        if scale <= 1.0 or not grads or all(bool(g.isfinite().all()) for g in grads):
+            break
+        scale = max(1.0, scale * scaler.get_backoff_factor())
+    torch._foreach_div_(grads, scale)
 
 
 def note(ctx: TaskContext, name: str, msg: str) -> None:

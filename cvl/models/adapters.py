@@ -40,21 +40,39 @@ class WeightAdapter(nn.Module):
 
 
 class Adapter(WeightAdapter):
-    """LoRA (and DoRA's magnitude) as a parametrization: W ↦ W + s·B·A (then m ⊙ V/‖V‖)."""
+    """LoRA (and DoRA's magnitude) as a parametrization: W ↦ W + s·B·A (then m ⊙ V/‖V‖).
 
-    def __init__(self, weight: torch.Tensor, rank: int, alpha: float, dora: bool) -> None:
+    `parts` = p > 1 splits the output rows into p equal blocks, each with its own rank-r
+    factors (A: p·r × fan_in, the blocks' A_i stacked; B: out × r, block i's rows B_i):
+    ΔW = s·[B_1·A_1; ...; B_p·A_p], rank up to p·r — FoMo-in-Flux's `LoRA_MHA` on the fused
+    q/k/v in-projection (p = 3). p = 1 is plain LoRA."""
+
+    def __init__(
+        self, weight: torch.Tensor, rank: int, alpha: float, dora: bool, parts: int = 1
+    ) -> None:
         super().__init__()
         out, fan_in = weight.shape[0], math.prod(weight.shape[1:])
+        if out % parts:
+            raise CvlError(f"a {parts}-part adapter needs rows divisible by {parts} (got {out})")
         kw = {"device": weight.device, "dtype": weight.dtype}
-        self.lora_A = nn.Parameter(torch.zeros(rank, fan_in, **kw))
+        self.lora_A = nn.Parameter(torch.zeros(parts * rank, fan_in, **kw))
         self.lora_B = nn.Parameter(torch.zeros(out, rank, **kw))
+        self.parts = parts
         self.dora = dora
         if dora:
             self.magnitude = nn.Parameter(_row_norm(weight.detach()).reshape(-1).clone())
         self.scale = float(alpha) / rank
 
+    def product(self) -> torch.Tensor:
+        """B·A (out × fan_in); per block of rows with `parts` > 1."""
+        if self.parts == 1:
+            return self.lora_B @ self.lora_A
+        p, (out, r), fan_in = self.parts, self.lora_B.shape, self.lora_A.shape[1]
+        blocks = self.lora_B.view(p, out // p, r) @ self.lora_A.view(p, r, fan_in)
+        return blocks.reshape(out, fan_in)
+
     def forward(self, w: torch.Tensor) -> torch.Tensor:
-        v = w + (self.lora_B @ self.lora_A).view_as(w) * self.scale
+        v = w + self.product().view_as(w) * self.scale
         if not self.dora:
             return v
         # ‖V‖ detached (DoRA §4.3); with B = 0 and m = ‖W‖ this returns W exactly (x/x = 1)

@@ -5,7 +5,10 @@ Modes (orthogonal to the method, as `--buffer` is):
 - `full`: every parameter trains (the default; nothing here changes the model).
 - `lora` (Hu et al. 2022): each target weight W (frozen) becomes W + (α/r)·B·A, A ∈ R^{r×fan_in}
   (Kaiming-uniform, as `nn.Linear` and peft initialise it), B ∈ R^{out×r} = 0; only A and B
-  train. Defaults r = 8, α = 8 (peft's `LoraConfig`), targets `linear`.
+  train. Defaults r = 8, α = 8 (peft's `LoraConfig`), targets `linear`. `qkv=split`: a
+  MultiheadAttention's fused q/k/v in-projection gets separate rank-r factors for its q, k
+  and v rows (ΔW = s·[B_q·A_q; B_k·A_k; B_v·A_v], rank up to 3r; FoMo-in-Flux's `LoRA_MHA`
+  with `kv_only: False`); the default `fused` is one factor over all 3d rows (peft's).
 - `dora` (Liu et al. 2024): W' = m ⊙ V/‖V‖ with V = W + (α/r)·B·A, ‖·‖ the norm of each output
   row (peft's layout), m (one scale per output row, initialised to ‖W‖) trains with A and B;
   ‖V‖ is detached from the gradient (DoRA §4.3, as peft does).
@@ -30,7 +33,7 @@ Modes (orthogonal to the method, as `--buffer` is):
   train in both (its MLM decoder is tied to the word embeddings, so it is frozen with them).
 
 In every mode but `full` the logit scale is frozen unless a locked tower mode keeps it (LiT
-trains it), and BatchNorm layers none of whose parameters train keep their running statistics
+trains it; a method may name more parameters that train, `tune_also`: C-CLIP's embeddings), and BatchNorm layers none of whose parameters train keep their running statistics
 (they run in eval mode; `--tune-arg bn_stats=train` lets them update, open_clip's default for a
 locked tower).
 
@@ -97,11 +100,18 @@ DEFAULT_ARGS: dict[str, Any] = {
     "bn_stats": "frozen",
     "d_initial": 0.1,
     "projection_seed": 0,
+    "qkv": "fused",
 }
 VERA_RANK = 256  # peft's VeraConfig.r: the default rank of --tune vera
-_ADAPTER_ARGS = ("rank", "alpha", "targets", "d_initial", "projection_seed")
+_ADAPTER_ARGS = ("rank", "alpha", "targets", "d_initial", "projection_seed", "qkv")
 # arguments of some adapter modes only (the others refuse them)
-_MODE_ARGS = {"alpha": ("lora", "dora"), "d_initial": ("vera",), "projection_seed": ("vera",)}
+_MODE_ARGS = {
+    "alpha": ("lora", "dora"),
+    "qkv": ("lora", "dora"),
+    "d_initial": ("vera",),
+    "projection_seed": ("vera",),
+}
+QKV = ("fused", "split")
 # rank >= 1; α > 0 (the adapter's scale α/r: 0 would make every adapter a no-op); VeRA's d
 # starts at d_initial > 0 (0 would make its adapters no-ops too)
 _LIMITS = {
@@ -307,6 +317,19 @@ def _names_of(kind: str, model: nn.Module) -> set[str]:
     return {"linear": lin, "attn": attn, "mlp": lin - attn, "conv": conv}.get(kind, set())
 
 
+def applies(mode: str, key: str) -> bool:
+    """Whether `--tune-arg key` is one of mode's arguments."""
+    return mode in _MODE_ARGS.get(key, ADAPTER_MODES if key in _ADAPTER_ARGS else MODES)
+
+
+def with_defaults(
+    mode: str, defaults: Mapping[str, Mapping[str, Any]], args: Mapping[str, Any]
+) -> dict:
+    """`--tune-arg`s over a method's defaults for this mode (`Method.tune_defaults`, by mode:
+    e.g. `lora_per_task`'s FoMo structure for lora and dora)."""
+    return {**defaults.get(mode, {}), **args}
+
+
 class Tuning:
     """One run's `--tune` mode and `--tune-arg`s; applies itself to the training model."""
 
@@ -321,7 +344,7 @@ class Tuning:
             if k not in DEFAULT_ARGS:
                 raise CvlError(f"--tune-arg {k}: unknown (known: {', '.join(DEFAULT_ARGS)})")
             modes = _MODE_ARGS.get(k, ADAPTER_MODES if k in _ADAPTER_ARGS else MODES)
-            if mode not in modes:
+            if not applies(mode, k):
                 raise CvlError(
                     f"--tune-arg {k} applies to --tune {' or '.join(modes)}, not '{mode}'"
                 )
@@ -329,6 +352,8 @@ class Tuning:
             self.args[k] = rule.check(v, f"--tune-arg {k}") if rule else str(v)
         if self.args["bn_stats"] not in ("frozen", "train"):
             raise CvlError("--tune-arg bn_stats must be 'frozen' or 'train'")
+        if self.args["qkv"] not in QKV:
+            raise CvlError("--tune-arg qkv must be 'fused' or 'split'")
         self.trainable = 0
         self.total = 0
 
@@ -371,9 +396,11 @@ class Tuning:
             return not name.startswith(tower)
         return False  # lora, dora: only the adapters
 
-    def apply(self, model: nn.Module, seed: int) -> None:
+    def apply(self, model: nn.Module, seed: int, also: tuple[str, ...] = ()) -> None:
         """Freeze what the mode does not train, attach the adapters (drawn from `seed`, the
-        first task's), freeze BatchNorm statistics of frozen layers; records what trains."""
+        first task's), freeze BatchNorm statistics of frozen layers; records what trains.
+        `also`: shell patterns of parameter names that train besides the mode's (a method's
+        `tune_also`, e.g. C-CLIP's embeddings beside its LoRA)."""
         self.total = sum(p.numel() for p in model.parameters())
         if self.mode == "full":
             self.trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -386,7 +413,7 @@ class Tuning:
         }
         trained: set[str] = set()
         for n, p in model.named_parameters():
-            keep = self._keeps(n, owner[n], towers)
+            keep = self._keeps(n, owner[n], towers) or any(fnmatch.fnmatchcase(n, a) for a in also)
             p.requires_grad_(keep)
             if keep:
                 trained.add(n)
@@ -410,7 +437,14 @@ class Tuning:
                 if shared is not None:
                     a: WeightAdapter = VeraAdapter(w, shared, self.args["d_initial"])
                 else:
-                    a = Adapter(w, int(self.args["rank"]), self.args["alpha"], self.mode == "dora")
+                    split = self.args["qkv"] == "split" and t == "in_proj_weight"
+                    a = Adapter(
+                        w,
+                        int(self.args["rank"]),
+                        self.args["alpha"],
+                        self.mode == "dora",
+                        parts=3 if split else 1,
+                    )
                 parametrize.register_parametrization(m, t, a)
                 m.parametrizations[t].original.requires_grad_(False)
                 trained.add(n)

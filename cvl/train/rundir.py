@@ -130,14 +130,17 @@ class RunFolder:
         self._sync_batchnorm()
         self.model.to(self.acc.device)
         broadcast_module(self.model)
-        from cvl.models.tune import Tuning
+        from cvl.models.tune import Tuning, with_defaults
 
         if cfg.base_loss == "class-ce":  # as the ZSCL code: the logit scale is never trained
             from cvl.methods.base import freeze_logit_scale
 
             freeze_logit_scale(self.model)
-        self.tuning = Tuning(cfg.tune, cfg.tune_args)  # which parameters train (cvl.models.tune)
-        self.tuning.apply(self.model, self._tune_seed(0))
+        tune_args = with_defaults(
+            cfg.tune, getattr(self.method, "tune_defaults", {}), cfg.tune_args
+        )
+        self.tuning = Tuning(cfg.tune, tune_args)  # which parameters train (cvl.models.tune)
+        self.tuning.apply(self.model, self._tune_seed(0), getattr(self.method, "tune_also", ()))
         from cvl.train.plan import batchnorm_message, needs_two_rows
 
         one = [t for t, p in getattr(self, "_plans", {}).items() if p.min_rows == 1]
@@ -313,6 +316,9 @@ class RunFolder:
             self.method.load_state_dict(st.get("method", {}))
             if ctx.buffer is not None and st.get("buffer"):
                 ctx.buffer.load_state_dict(st["buffer"])
+            scaler = getattr(self.acc, "scaler", None)
+            if scaler is not None and scaler.is_enabled() and st.get("grad_scaler"):
+                scaler.load_state_dict(st["grad_scaler"])
         except CvlError as e:
             if where is None:
                 raise
@@ -323,9 +329,15 @@ class RunFolder:
             ) from None
 
     def _method_state(self, ctx: TaskContext) -> dict[str, Any]:
+        """The method's and buffer's state, and fp16's loss scale (the GradScaler's state: its
+        scale carries over steps and tasks, so a resume restarting it at the initial scale
+        would skip or keep other updates than the uninterrupted run)."""
         st: dict[str, Any] = {"method": self.method.state_dict()}
         if ctx.buffer is not None:
             st["buffer"] = ctx.buffer.state_dict()
+        scaler = getattr(self.acc, "scaler", None)
+        if scaler is not None and scaler.is_enabled():
+            st["grad_scaler"] = scaler.state_dict()
         return st
 
     def _load_last(self, opt: Any, sched: Any, ctx: TaskContext, total: int) -> None:

@@ -41,6 +41,10 @@ in the stream:
 - `rsqrt-cont` (recovery_mode continued): peak p_k = r + sqrt(W_0 / (W_0 + Σ_{i<k}(S_i-C_i-W_i)))
   ·(1-r), the value of ONE rsqrt curve where task k starts when warm-ups after the first and
   cool-downs are left out (FoMo: k(S-C) - (k-1)W).
+- Both peaks are capped at 1 (--lr): a cap only where FoMo's domain ends, a warm-up (plus
+  cool-down) longer than its task (W > S - C). There FoMo's code raises the peak above --lr
+  (rsqrt-ar: (k+1)W > kS+W when W > S), and rsqrt-cont's denominator k(S-C) - (k-1)W falls
+  below W, then to 0 or below (a division by zero or the root of a negative); cvl's choice.
 
 With equal tasks (FoMo's setting: every task n_samples / batch steps, one warm-up fraction)
 the sums are FoMo's k·S terms exactly; with unequal tasks (cvl: task sizes, `--budget`) they

@@ -17,6 +17,13 @@ a step trains on 2D pairs (TiC's setting); any D works.
   at the 4th D/2, D/4, D/4"). After each step every old step keeps ⌊half⌋ of what it held and
   the newest takes the rest (≈ D/2; all D after the first step).
 
+Both split D by these shares while every step has the data; where a step has fewer items than
+its share (a short time step, or an old step that already holds less), its unused quota goes to
+the steps that have more (`fill_up`): first the new step, then the old steps newest first, each
+up to what it has. So the buffer always holds min(D, items seen) — TiC's budget is D, its
+shares assume full steps and it is silent on short ones (sizes 1,503 and 87, D = 4,096: the
+halving alone would keep 751 + 87; filled up, all 1,590).
+
 Old steps are always re-selected from what the buffer already holds (nested subsets: a
 step's items only shrink), so the buffer never needs past data it no longer has; the new
 step's items are a random sample of its training pairs. The budget is in samples (pairs).
@@ -54,13 +61,30 @@ class CumulativeAll(Buffer):
                 self.items[t] = Whole(len(h))
 
 
+def fill_up(
+    size: int, held: dict[str, int], n_new: int, old: dict[str, int], new: int
+) -> tuple[dict[str, int], int]:
+    """The shares (`old`, `new`) cut to what each step has (`held`, `n_new`), then the quota
+    left unused given to the steps with more: the new step first, then the old steps newest
+    first (`held` is in time order), each up to what it has; min(size, Σ held + n_new) in all."""
+    out = {t: min(q, held[t]) for t, q in old.items()}
+    new = min(new, n_new)
+    spare = size - sum(out.values()) - new
+    take = min(max(spare, 0), n_new - new)
+    new, spare = new + take, spare - take
+    for t in reversed(list(out)):
+        take = min(max(spare, 0), held[t] - out[t])
+        out[t], spare = out[t] + take, spare - take
+    return out, new
+
+
 @register_buffer("cumulative-equal")
 class CumulativeEqual(QuotaBuffer):
     """D items split equally among the past steps (⌊D/t⌋ each; the remainder to the newest)."""
 
     def quotas(self, held: dict[str, int], n_new: int) -> tuple[dict[str, int], int]:
         q = self.size // len(self.sizes)
-        return dict.fromkeys(held, q), self.size - q * len(held)
+        return fill_up(self.size, held, n_new, dict.fromkeys(held, q), self.size - q * len(held))
 
 
 @register_buffer("cumulative-exp")
@@ -69,4 +93,4 @@ class CumulativeExp(QuotaBuffer):
 
     def quotas(self, held: dict[str, int], n_new: int) -> tuple[dict[str, int], int]:
         old = {t: n // 2 for t, n in held.items()}
-        return old, self.size - sum(old.values())
+        return fill_up(self.size, held, n_new, old, self.size - sum(old.values()))

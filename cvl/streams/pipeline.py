@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,10 +47,9 @@ from cvl.streams.download import (
     DownloadOptions,
     ImageOptions,
 )
-from cvl.streams.imageload import (
-    load_images,
-)
+from cvl.streams.imageload import load_image, load_images
 from cvl.streams.manifest import EvalSet, Manifest, ShardSet, TaskInfo, save_manifest
+from cvl.streams.parallel import ordered_map, shard_ranges, unique_keys
 from cvl.streams.rows import (  # noqa: F401  (re-exported: their home was this module)
     DROPPED_FILE,
     Dropper,
@@ -225,57 +224,58 @@ def build_stream(
             show=opts.progress,
             leave=False,
         )
-        images = load_images([plan[i] for i in flat], opts.image, opts.download.processes)
         folder = task_folders(order)
-
-        def write_one(sink: ShardSink, split: str, task: str, i: int) -> None:
-            data, err = next(images)
-            bar.update()
-            r = rows[i]
-            if data is None:
-                why = (
-                    "bad_base64"
-                    if (err or "").startswith("undecodable base64")
-                    else TOO_LARGE
-                    if (err or "").startswith(TOO_LARGE)
-                    else "bad_image"
-                )
-                drop(why, r, detail=f"{r.where}: {err}")
-                return
-            meta = {
-                # source metadata first: it never overrides the fields below
-                **{k: printable(v) for k, v in r.meta.items()},
-                "id": r.id,
-                "task": task,
-                "category": r.category,
-                "source": source,
-                "split": split,
-                **({"url": r.url} if r.url else {}),
-                **({"file": printable(Path(r.path).name)} if r.path else {}),
-                **({"captions": r.captions} if r.captions and len(r.captions) > 1 else {}),
-            }
-            sink.write(r.id, data, r.caption, meta)
-            report.keep(split)
-            if r.category:
-                cats[task].add(r.category)
-
+        jobs: list[_ShardJob] = []  # every shard of every set, fixed by input order
         for split, task in seq:
             base = f"train/{folder[task]}" if split == "train" else f"eval/{split}/{folder[task]}"
-            sets: list[ShardSet] = []
             for group, idx in parts[(split, task)]:
                 rel = base if group is None else f"{base}/{task_folders([group])[group]}"
-                sink = ShardSink(tmp, rel, maxcount=opts.shard_size)
-                for i in idx:
-                    write_one(sink, split, task, i)
-                ss = sink.close()
-                if ss.count:
-                    sets.append(ss)
-                    if group is not None:
-                        sub_sets[(split, task, group)] = ss
-            if sets:
-                written[(split, task)] = ShardSet(
-                    [s for ss in sets for s in ss.shards], sum(ss.count for ss in sets)
-                )
+                keys = unique_keys(rows[i].id for i in idx)
+                for k, rg in enumerate(shard_ranges(len(idx), opts.shard_size)):
+                    sl = slice(rg.start, rg.stop)
+                    jobs.append(_ShardJob(split, task, group, rel, k, idx[sl], keys[sl]))
+
+        def write_shard(j: int, images: Iterator[tuple] | None = None) -> _ShardDone:
+            """Load (or take from `images`) and write the images of shard job j."""
+            job = jobs[j]
+            sink = ShardSink(tmp, job.rel, maxcount=opts.shard_size, first=job.number)
+            done = _ShardDone()
+            for i, key in zip(job.rows, job.keys):
+                data, err = load_image(plan[i], opts.image) if images is None else next(images)
+                r = rows[i]
+                if data is None:
+                    done.failed.append((i, err or ""))
+                    continue
+                sink.write(key, data, r.caption, _meta(r, job.split, job.task, source))
+                if r.category:
+                    done.categories.add(r.category)
+            done.shards = sink.close()
+            return done
+
+        procs = opts.download.processes
+        if procs > 1 and len(jobs) >= 2 * procs:  # whole shards in every process
+            _warm([plan[i] for i in flat], opts.image)
+            results = ordered_map(write_shard, len(jobs), procs)
+        else:  # few shards: images resized in a pool, shards written here
+            images = load_images([plan[i] for i in flat], opts.image, procs)
+            results = (write_shard(j, images) for j in range(len(jobs)))
+        group_sets: dict[tuple[str, str, str | None], ShardSet] = {}
+        for job, done in zip(jobs, results):
+            bar.update(len(job.rows))
+            for i, err in done.failed:
+                drop(_failure(err), rows[i], detail=f"{rows[i].where}: {err}")
+            ss = done.shards
+            if ss.count:
+                report.kept[job.split] += ss.count
+                cats[job.task] |= done.categories
+                key = (job.split, job.task, job.group)
+                prev = group_sets.get(key, ShardSet([], 0))
+                group_sets[key] = ShardSet(prev.shards + ss.shards, prev.count + ss.count)
+        for (split, task, group), ss in group_sets.items():
+            if group is not None:
+                sub_sets[(split, task, group)] = ss
+            prev = written.get((split, task), ShardSet([], 0))
+            written[(split, task)] = ShardSet(prev.shards + ss.shards, prev.count + ss.count)
         bar.close()
 
         tasks: dict[str, TaskInfo] = {}
@@ -337,6 +337,61 @@ def build_stream(
                 f.write(json.dumps(rec, ensure_ascii=False) + "\n")
     m.root = out.absolute()
     return m
+
+
+@dataclass
+class _ShardJob:
+    """One shard of a (split, task[, group]) set: its number and its rows, with their keys."""
+
+    split: str
+    task: str
+    group: str | None
+    rel: str
+    number: int
+    rows: list[int]
+    keys: list[str]
+
+
+@dataclass
+class _ShardDone:
+    """What writing a shard job gives back: its shards, failed images, categories written."""
+
+    shards: ShardSet = field(default_factory=lambda: ShardSet([], 0))
+    failed: list[tuple[int, str]] = field(default_factory=list)
+    categories: set[str] = field(default_factory=set)
+
+
+def _meta(r: Row, split: str, task: str, source: str) -> dict[str, Any]:
+    """A sample's KEY.json: the source's metadata first (it never overrides the rest)."""
+    return {
+        **{k: printable(v) for k, v in r.meta.items()},
+        "id": r.id,
+        "task": task,
+        "category": r.category,
+        "source": source,
+        "split": split,
+        **({"url": r.url} if r.url else {}),
+        **({"file": printable(Path(r.path).name)} if r.path else {}),
+        **({"captions": r.captions} if r.captions and len(r.captions) > 1 else {}),
+    }
+
+
+def _failure(err: str) -> str:
+    """The drop reason of an image that did not load."""
+    if err.startswith("undecodable base64"):
+        return "bad_base64"
+    return TOO_LARGE if err.startswith(TOO_LARGE) else "bad_image"
+
+
+def _warm(items: list[tuple], image: ImageOptions) -> None:
+    """Import here what every shard process needs (webdataset, img2dataset's resizer), so the
+    forked processes inherit it instead of each importing it (seconds)."""
+    import webdataset  # noqa: F401
+
+    from cvl.streams.resize import _resizer
+
+    if any(it[0] != "cache" for it in items):  # only cached images skip the resizer
+        _resizer(image)
 
 
 def _parts(

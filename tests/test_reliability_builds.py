@@ -243,8 +243,8 @@ def test_a_table_build_writes_the_same_bytes_with_1_and_3_processes(tmp_path, mo
     cols += ["--task-col", "task", "--split-col", "split", "--category-col", "cat"]
     cols += ["--shard-size", "4", "--name", "s", "--image-size", "16"]
     maps = []
-    real = pipeline.ordered_map
-    monkeypatch.setattr(pipeline, "ordered_map", lambda *a: maps.append(a[1:]) or real(*a))
+    real = pipeline.map_shards
+    monkeypatch.setattr(pipeline, "map_shards", lambda *a: maps.append(a[1:]) or real(*a))
     trees = []
     for n in (1, 3):
         out = tmp_path / f"p{n}"
@@ -274,3 +274,38 @@ def test_a_table_build_writes_the_same_bytes_with_1_and_3_processes(tmp_path, mo
     }
     rep = json.loads(one["build_report.json"])
     assert rep["dropped"] == {"bad_image": 1} and rep["kept_total"] == 29
+
+
+def test_compose_parts_and_class_splits_write_the_same_bytes_with_1_and_3_processes(
+    synth_stream, tmp_path
+):
+    """Copied parts (compose) and class splits write whole shards per process too: shards of
+    --shard-size 10 in input order (a 48-sample part: 10, 10, 10, 10, 8), the same files."""
+    from cvl.streams.manifest import load_manifest
+
+    trees = {}
+    for n in (1, 3):
+        comp = ["build-stream", "compose", "--out", str(tmp_path / f"c{n}"), "--name", "c"]
+        comp += [
+            f"--task=a={synth_stream}:task=t0:part=1/2:test=full",
+            f"--task=b={synth_stream}:task=t1",
+        ]
+        split = ["build-stream", "class-split", "--from", str(synth_stream), "--name", "s"]
+        split += ["--out", str(tmp_path / f"s{n}"), "--labels", "category", "--steps", "2"]
+        for argv in (comp, split):
+            assert main([*argv, "--shard-size", "10", "--processes", str(n)]) == 0
+        trees[n] = (_tree(tmp_path / f"c{n}"), _tree(tmp_path / f"s{n}"))
+    for one, three in zip(trees[1], trees[3]):
+        assert one.keys() == three.keys()
+        assert [k for k in one if one[k] != three[k]] == []
+    m = load_manifest(tmp_path / "c3")
+    assert m.tasks["a"].train.shards == [f"train/a/{k:06d}.tar" for k in range(5)]
+    sizes = [len(index_shard_keys(s)) for s in m.train_shards("a")]
+    assert sizes == [10, 10, 10, 10, 8]
+    assert len(trees[1][1]) > 10  # the class split wrote several shards
+
+
+def index_shard_keys(path: Path) -> list[str]:
+    from cvl.data.reader import index_shard
+
+    return [e.key for e in index_shard(str(path))[0]]

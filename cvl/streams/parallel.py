@@ -16,6 +16,7 @@ import multiprocessing as mp
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
+from cvl.streams.manifest import ShardSet
 from cvl.streams.writer import unique_key
 
 T = TypeVar("T")
@@ -33,6 +34,25 @@ def unique_keys(ids: Iterable[str]) -> list[str]:
     within one sink): a set's keys do not depend on how it is cut into jobs."""
     used: set[str] = set()
     return [unique_key(i, used) for i in ids]
+
+
+def join_sets(sets: Iterable[ShardSet]) -> ShardSet:
+    """One set from the shard sets of its jobs, in order."""
+    shards: list[str] = []
+    count = 0
+    for ss in sets:
+        shards += ss.shards
+        count += ss.count
+    return ShardSet(shards, count)
+
+
+def map_shards(fn: Callable[[int], T], n: int, processes: int) -> Iterator[T]:
+    """`ordered_map` for jobs that write shards: webdataset (ShardSink's tar writer, which
+    imports torch: seconds) is imported here first, so forked workers inherit it."""
+    if processes > 1 and n > 1:
+        import webdataset  # noqa: F401
+
+    return ordered_map(fn, n, processes)
 
 
 def _call(i: int) -> object:

@@ -49,7 +49,7 @@ from cvl.streams.download import (
 )
 from cvl.streams.imageload import load_image, load_images
 from cvl.streams.manifest import EvalSet, Manifest, ShardSet, TaskInfo, save_manifest
-from cvl.streams.parallel import ordered_map, shard_ranges, unique_keys
+from cvl.streams.parallel import join_sets, map_shards, shard_ranges, unique_keys
 from cvl.streams.rows import (  # noqa: F401  (re-exported: their home was this module)
     DROPPED_FILE,
     Dropper,
@@ -208,7 +208,6 @@ def build_stream(
         if id(r) in keep_ids:
             groups.setdefault((r.split, r.task or ""), []).append(i)
     out = Path(opts.out)
-    written: dict[tuple[str, str], ShardSet] = {}
     cats: dict[str, set[str]] = {t: set() for t in order}
     # a rule may write a set in sub-folders (TimeSplit: one per period of a merged task)
     sub = getattr(rule, "shard_group", None)
@@ -255,27 +254,26 @@ def build_stream(
         procs = opts.download.processes
         if procs > 1 and len(jobs) >= 2 * procs:  # whole shards in every process
             _warm([plan[i] for i in flat], opts.image)
-            results = ordered_map(write_shard, len(jobs), procs)
+            results = map_shards(write_shard, len(jobs), procs)
         else:  # few shards: images resized in a pool, shards written here
             images = load_images([plan[i] for i in flat], opts.image, procs)
             results = (write_shard(j, images) for j in range(len(jobs)))
-        group_sets: dict[tuple[str, str, str | None], ShardSet] = {}
+        group_sets: dict[tuple[str, str, str | None], list[ShardSet]] = {}
         for job, done in zip(jobs, results):
             bar.update(len(job.rows))
             for i, err in done.failed:
                 drop(_failure(err), rows[i], detail=f"{rows[i].where}: {err}")
-            ss = done.shards
-            if ss.count:
-                report.kept[job.split] += ss.count
+            if done.shards.count:
+                report.kept[job.split] += done.shards.count
                 cats[job.task] |= done.categories
-                key = (job.split, job.task, job.group)
-                prev = group_sets.get(key, ShardSet([], 0))
-                group_sets[key] = ShardSet(prev.shards + ss.shards, prev.count + ss.count)
-        for (split, task, group), ss in group_sets.items():
+                group_sets.setdefault((job.split, job.task, job.group), []).append(done.shards)
+        by_set: dict[tuple[str, str], list[ShardSet]] = {}
+        for (split, task, group), parts_ in group_sets.items():
+            ss = join_sets(parts_)
             if group is not None:
                 sub_sets[(split, task, group)] = ss
-            prev = written.get((split, task), ShardSet([], 0))
-            written[(split, task)] = ShardSet(prev.shards + ss.shards, prev.count + ss.count)
+            by_set.setdefault((split, task), []).append(ss)
+        written: dict[tuple[str, str], ShardSet] = {k: join_sets(v) for k, v in by_set.items()}
         bar.close()
 
         tasks: dict[str, TaskInfo] = {}
@@ -384,10 +382,8 @@ def _failure(err: str) -> str:
 
 
 def _warm(items: list[tuple], image: ImageOptions) -> None:
-    """Import here what every shard process needs (webdataset, img2dataset's resizer), so the
-    forked processes inherit it instead of each importing it (seconds)."""
-    import webdataset  # noqa: F401
-
+    """Make img2dataset's resizer here (its imports take seconds), so the forked shard
+    processes inherit it instead of each making its own."""
     from cvl.streams.resize import _resizer
 
     if any(it[0] != "cache" for it in items):  # only cached images skip the resizer

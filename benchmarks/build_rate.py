@@ -31,7 +31,7 @@ from PIL import Image
 def write_table(root: Path, n: int, size: tuple[int, int] = (48, 40)) -> Path:
     """N JPEGs in root/img and root/pairs.csv listing them (image, caption); made once."""
     csv = root / "pairs.csv"
-    if csv.exists() and sum(1 for _ in open(csv, encoding="utf-8")) == n + 1:
+    if csv.exists() and csv.read_text(encoding="utf-8").count("\n") == n + 1:
         return csv
     (root / "img").mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
@@ -60,7 +60,8 @@ def measure_build(
 
     The table and images are written once under `workdir` (kept for the next call); the
     stream is written to `workdir/out-P` and removed. Returns samples/s (wall clock) and CPU
-    seconds per sample (this process + its children, which a pool's workers are)."""
+    seconds per sample (this process + its children, which a pool's workers are). The first
+    build of a process also pays img2dataset's imports (seconds): warm up with a small one."""
     from cvl.streams.download import DownloadOptions
     from cvl.streams.pipeline import BuildOptions
     from cvl.streams.table import build_table

@@ -25,7 +25,8 @@ class labels, e.g. IncCLIP's BEiT pseudo-label split: give it the label of each 
 
 Where each step lives: `rows.py` (the rows and step 1), `splitrules.py` (steps 2 and 3),
 `imageload.py` (step 4's reading and resizing); this module plans the images and writes the
-stream (step 5). The names of rows.py and splitrules.py stay importable from here.
+stream (step 5), with `--processes` N processes each resizing and writing whole shards
+(`parallel.py`: the bytes do not depend on N). The names of rows.py and splitrules.py stay importable from here.
 """
 
 from __future__ import annotations

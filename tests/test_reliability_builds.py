@@ -204,3 +204,108 @@ def test_a_build_that_runs_out_of_space_says_so_in_one_line_about_the_build(tmp_
     assert "a stream is built in a temporary folder and renamed only when complete" in r.stderr
     assert "a run resumes" not in r.stderr and "checkpoint" not in r.stderr
     assert not out.exists() and not list(tmp_path.glob(".s.*"))
+
+
+# -- builds on every core: the output does not depend on --processes ------------------------------
+def _tree(out: Path) -> dict[str, object]:
+    """Every file of a stream folder; stream.json without its creation time, and not the
+    output marker (it records the command line, --processes included)."""
+    files: dict[str, object] = {}
+    for p in sorted(out.rglob("*")):
+        rel = p.relative_to(out).as_posix()
+        if p.is_file() and rel != ".cvl-output.json":
+            files[rel] = p.read_bytes()
+    files["stream.json"] = {
+        k: v for k, v in json.loads(files["stream.json"]).items() if k != "created"
+    }
+    return files
+
+
+def test_a_table_build_writes_the_same_bytes_with_1_and_3_processes(tmp_path, monkeypatch):
+    """--processes 3 writes whole shards in 3 processes: shard k of a set holds the kept rows
+    of input positions 4k..4k+3 (--shard-size 4; a failed image leaves its shard short), keys
+    are unique over the set before any shard is written (a failed row keeps its key), and every
+    file equals the one-process build's, byte for byte."""
+    import cvl.streams.pipeline as pipeline
+    from cvl.data.reader import index_shard
+
+    img = tmp_path / "pairs" / "img"
+    img.mkdir(parents=True)
+    lines = ["id,image,caption,task,split,cat"]
+    for i in range(30):
+        rid = {2: "x.1", 3: "x_1"}.get(i, f"s{i}")  # the same key once made safe: x_1
+        (img / f"{i}.jpg").write_bytes(b"\xff\xd8 not a jpeg" if i == 2 else jpeg(f"n{i}"))
+        split = "test" if i in (15, 29) else "train"
+        lines.append(f"{rid},img/{i}.jpg,photo {i},{'a' if i < 16 else 'b'},{split},c{i % 3}")
+    csv = tmp_path / "pairs" / "pairs.csv"
+    csv.write_text("\n".join(lines) + "\n")
+    cols = ["--url-col", "image", "--caption-col", "caption", "--id-col", "id"]
+    cols += ["--task-col", "task", "--split-col", "split", "--category-col", "cat"]
+    cols += ["--shard-size", "4", "--name", "s", "--image-size", "16"]
+    maps = []
+    real = pipeline.map_shards
+    monkeypatch.setattr(pipeline, "map_shards", lambda *a: maps.append(a[1:]) or real(*a))
+    trees = []
+    for n in (1, 3):
+        out = tmp_path / f"p{n}"
+        assert main(["build-stream", "table", "--input", str(csv), "--out", str(out), *cols,
+                     "--processes", str(n), "--quiet"]) == 0  # fmt: skip
+        trees.append(_tree(out))
+    assert maps == [(10, 3)]  # 10 shard jobs (4 + 1 + 4 + 1) in 3 processes
+    one, three = trees
+    assert one.keys() == three.keys()
+    assert [k for k in one if one[k] != three[k]] == []
+    counts = {}
+    for rel in one:
+        if rel.endswith(".tar"):
+            entries, _ = index_shard(str(tmp_path / "p3" / rel))
+            counts[rel] = [e.key for e in entries]
+    assert counts == {
+        "eval/test/a/000000.tar": ["s15"],
+        "eval/test/b/000000.tar": ["s29"],
+        "train/a/000000.tar": ["s0", "s1", "x_1_1"],  # row 2 failed: 3 of input rows 0-3
+        "train/a/000001.tar": ["s4", "s5", "s6", "s7"],
+        "train/a/000002.tar": ["s8", "s9", "s10", "s11"],
+        "train/a/000003.tar": ["s12", "s13", "s14"],
+        "train/b/000000.tar": ["s16", "s17", "s18", "s19"],
+        "train/b/000001.tar": ["s20", "s21", "s22", "s23"],
+        "train/b/000002.tar": ["s24", "s25", "s26", "s27"],
+        "train/b/000003.tar": ["s28"],
+    }
+    rep = json.loads(one["build_report.json"])
+    assert rep["dropped"] == {"bad_image": 1} and rep["kept_total"] == 29
+
+
+def test_compose_parts_and_class_splits_write_the_same_bytes_with_1_and_3_processes(
+    synth_stream, tmp_path
+):
+    """Copied parts (compose) and class splits write whole shards per process too: shards of
+    --shard-size 10 in input order (a 48-sample part: 10, 10, 10, 10, 8), the same files."""
+    from cvl.streams.manifest import load_manifest
+
+    trees = {}
+    for n in (1, 3):
+        comp = ["build-stream", "compose", "--out", str(tmp_path / f"c{n}"), "--name", "c"]
+        comp += [
+            f"--task=a={synth_stream}:task=t0:part=1/2:test=full",
+            f"--task=b={synth_stream}:task=t1",
+        ]
+        split = ["build-stream", "class-split", "--from", str(synth_stream), "--name", "s"]
+        split += ["--out", str(tmp_path / f"s{n}"), "--labels", "category", "--steps", "2"]
+        for argv in (comp, split):
+            assert main([*argv, "--shard-size", "10", "--processes", str(n)]) == 0
+        trees[n] = (_tree(tmp_path / f"c{n}"), _tree(tmp_path / f"s{n}"))
+    for one, three in zip(trees[1], trees[3]):
+        assert one.keys() == three.keys()
+        assert [k for k in one if one[k] != three[k]] == []
+    m = load_manifest(tmp_path / "c3")
+    assert m.tasks["a"].train.shards == [f"train/a/{k:06d}.tar" for k in range(5)]
+    sizes = [len(index_shard_keys(s)) for s in m.train_shards("a")]
+    assert sizes == [10, 10, 10, 10, 8]
+    assert len(trees[1][1]) > 10  # the class split wrote several shards
+
+
+def index_shard_keys(path: Path) -> list[str]:
+    from cvl.data.reader import index_shard
+
+    return [e.key for e in index_shard(str(path))[0]]

@@ -71,6 +71,7 @@ class ClassSplitOptions:
     task_prefix: str = "step"
     name: str | None = None
     shard_size: int = 10000
+    processes: int = 1  # processes writing whole shards (the output does not depend on it)
     overwrite: bool = False
     progress: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
@@ -201,6 +202,8 @@ def build_class_split(
     """Write the class-incremental stream `out` from the labelled stream `src`."""
     from cvl.data.reader import _FILES
     from cvl.progress import progress_bar
+    from cvl.streams.manifest import ShardSet
+    from cvl.streams.parallel import join_sets, map_shards, shard_ranges, unique_keys
     from cvl.streams.pseudolabel import read_labels
     from cvl.streams.writer import BuildReport, ShardSink
 
@@ -307,40 +310,55 @@ def build_class_split(
         train_sets, eval_sets = {}, {s: {} for s in eval_kinds}
         total = sum(len(v) for v in chosen.values())
         bar = progress_bar(total=total, desc="class split", unit="img", show=opts.progress)
-        for t in tasks:
-            for split in ["train", *eval_kinds]:
-                rows = chosen.get((split, t))
-                if not rows:
-                    continue
-                rel = f"train/{t}" if split == "train" else f"eval/{split}/{t}"
-                sink = ShardSink(tmp, rel, opts.shard_size)
-                for e, c, score, stask in rows:
-                    meta = (
-                        json.loads(_FILES.read(e.shard, e.meta).decode("utf-8")) if e.meta else {}
-                    )
-                    jpg = _FILES.read(e.shard, e.image)
-                    cap = _FILES.read(e.shard, e.text).decode("utf-8")
-                    new = dict(meta)
-                    new.update(
-                        {
-                            "id": meta.get("id", e.key),
-                            "task": t,
-                            "category": lab.names[c],
-                            "class": c,
-                            "source_task": stask,
-                        }
-                    )
-                    if lab.kind == "pseudo":
-                        new["label_score"] = score
-                        new["source_category"] = meta.get("category")
-                    sink.write(e.key, jpg, cap, new)
-                    report.keep(split)
-                    bar.update(1)
-                ss = sink.close()
-                if split == "train":
-                    train_sets[t] = ss
-                else:
-                    eval_sets[split][t] = ss
+        sets = [  # (task, split, rows) in the order they are written
+            (t, split, chosen[(split, t)])
+            for t in tasks
+            for split in ["train", *eval_kinds]
+            if chosen.get((split, t))
+        ]
+        keys = [unique_keys(r[0].key for r in rows) for _, _, rows in sets]
+        jobs = [  # (set, shard number, its rows): fixed by the rows and --shard-size alone
+            (si, k, rg)
+            for si, (_, _, rows) in enumerate(sets)
+            for k, rg in enumerate(shard_ranges(len(rows), opts.shard_size))
+        ]
+
+        def write(j: int) -> ShardSet:
+            si, k, rg = jobs[j]
+            t, split, rows = sets[si]
+            rel = f"train/{t}" if split == "train" else f"eval/{split}/{t}"
+            sink = ShardSink(tmp, rel, opts.shard_size, first=k)
+            for pos in rg:
+                e, c, score, stask = rows[pos]
+                meta = json.loads(_FILES.read(e.shard, e.meta).decode("utf-8")) if e.meta else {}
+                jpg = _FILES.read(e.shard, e.image)
+                cap = _FILES.read(e.shard, e.text).decode("utf-8")
+                new = dict(meta)
+                new.update(
+                    {
+                        "id": meta.get("id", e.key),
+                        "task": t,
+                        "category": lab.names[c],
+                        "class": c,
+                        "source_task": stask,
+                    }
+                )
+                if lab.kind == "pseudo":
+                    new["label_score"] = score
+                    new["source_category"] = meta.get("category")
+                sink.write(keys[si][pos], jpg, cap, new)
+            return sink.close()
+
+        done: dict[int, list[ShardSet]] = {}
+        for (si, _, rg), ss in zip(jobs, map_shards(write, len(jobs), opts.processes)):
+            done.setdefault(si, []).append(ss)
+            report.kept[sets[si][1]] += ss.count
+            bar.update(len(rg))
+        for si, (t, split, _) in enumerate(sets):
+            if split == "train":
+                train_sets[t] = join_sets(done[si])
+            else:
+                eval_sets[split][t] = join_sets(done[si])
         bar.close()
         class_counts = {
             t: dict(sorted(Counter(r[1] for r in chosen[("train", t)]).items())) for t in tasks
@@ -462,6 +480,13 @@ def build_class_split(
 )
 @click.option("--name", default=None, help="Stream name [folder name].")
 @click.option("--shard-size", default=10000, show_default=True, type=POSITIVE_INT)
+@click.option(
+    "--processes",
+    type=POSITIVE_INT,
+    default=1,
+    show_default=True,
+    help="Processes writing the shards (whole shards each; the output does not depend on it).",
+)
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def class_split_cmd(
@@ -478,6 +503,7 @@ def class_split_cmd(
     class_names: str,
     name: str | None,
     shard_size: int,
+    processes: int,
     overwrite: bool,
     quiet: bool,
 ) -> None:
@@ -505,6 +531,7 @@ def class_split_cmd(
         class_names=class_names,
         name=name,
         shard_size=shard_size,
+        processes=processes,
         overwrite=overwrite,
         progress=not quiet,
     )

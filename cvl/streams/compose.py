@@ -48,6 +48,7 @@ from cvl.streams.manifest import (
     save_manifest,
 )
 from cvl.streams.options import echo_summary
+from cvl.streams.parallel import join_sets, map_shards, shard_ranges, unique_keys
 from cvl.streams.pipeline import task_folders
 from cvl.streams.writer import BuildReport, ShardSink
 
@@ -173,18 +174,26 @@ def copy_part(
     task: str,
     extra: dict[str, Any],
     shard_size: int,
+    processes: int = 1,
 ) -> ShardSet:
-    """Copy the samples `idx` of `shards` into `root/rel/*.tar` with task (and extra) meta."""
+    """Copy the samples `idx` of `shards` into `root/rel/*.tar` with task (and extra) meta;
+    `processes` > 1 copies whole shards in that many processes (the same bytes)."""
     samples = _samples(shards)
-    sink = ShardSink(root, rel, maxcount=shard_size)
-    for j in idx:
-        shard, e = samples[j]
-        meta = json.loads(_read(shard, e.meta).decode("utf-8")) if e.meta else {}
-        meta.update(extra)
-        meta["task"] = task
-        cap = _read(shard, e.text).decode("utf-8")
-        sink.write(e.key, _read(shard, e.image), cap, meta)
-    return sink.close()
+    keys = unique_keys(samples[j][1].key for j in idx)
+    ranges = shard_ranges(len(idx), shard_size)
+
+    def write(k: int) -> ShardSet:
+        sink = ShardSink(root, rel, maxcount=shard_size, first=k)
+        for pos in ranges[k]:
+            shard, e = samples[idx[pos]]
+            meta = json.loads(_read(shard, e.meta).decode("utf-8")) if e.meta else {}
+            meta.update(extra)
+            meta["task"] = task
+            cap = _read(shard, e.text).decode("utf-8")
+            sink.write(keys[pos], _read(shard, e.image), cap, meta)
+        return sink.close()
+
+    return join_sets(map_shards(write, len(ranges), processes))
 
 
 class _Refs:
@@ -258,8 +267,10 @@ def compose(
     source: str = "compose",
     extra_args: dict[str, Any] | None = None,
     tmp: Path | None = None,
+    processes: int = 1,
 ) -> Manifest:
-    """Write a composed stream (atomically, unless `tmp` is an already open build folder)."""
+    """Write a composed stream (atomically, unless `tmp` is an already open build folder);
+    parts are copied in `processes` processes (whole shards each: the same bytes)."""
     if not tasks:
         raise CvlError("compose: give at least one --task NAME=STREAM")
     names = [t.name for t in tasks]
@@ -272,14 +283,24 @@ def compose(
     out = Path(out)
     if tmp is not None:
         return _compose_into(
-            tmp, out, tasks, evals, name, seed, shard_size, split_rule, source, extra_args
+            tmp,
+            out,
+            tasks,
+            evals,
+            name,
+            seed,
+            shard_size,
+            split_rule,
+            source,
+            extra_args,
+            processes,
         )
     if out.exists() and not overwrite:
         raise CvlError(f"{out.absolute()} exists (pass --overwrite to replace it)")
     inputs = [t.stream for t in tasks] + [e.stream for e in evals]
     with atomic_dir(out, overwrite=overwrite, kind="stream", inputs=inputs) as t:
         m = _compose_into(
-            t, out, tasks, evals, name, seed, shard_size, split_rule, source, extra_args
+            t, out, tasks, evals, name, seed, shard_size, split_rule, source, extra_args, processes
         )
     m.root = out.absolute()
     return m
@@ -296,6 +317,7 @@ def _compose_into(
     split_rule: str | None,
     source: str,
     extra_args: dict[str, Any] | None,
+    processes: int = 1,
 ) -> Manifest:
     refs = _Refs(tmp, out)
     report = BuildReport()
@@ -328,6 +350,7 @@ def _compose_into(
                 spec.name,
                 {"part": f"{i}/{k}", "source_task": st},
                 shard_size,
+                processes,
             )
             report.notes.setdefault("copied", {})[spec.name] = train.count
             rules.append(f"{spec.name} = {m.name}/{st} part {i}/{k}")
@@ -362,6 +385,7 @@ def _compose_into(
                     spec.name,
                     {"part": f"{spec.part[0]}/{spec.part[1]}", "source_task": st},
                     shard_size,
+                    processes,
                 )
             evsets.setdefault(sname, {})[spec.name] = ss
             report.kept[sname] += ss.count
@@ -446,6 +470,13 @@ def _compose_into(
     show_default=True,
     help="Samples per copied shard.",
 )
+@click.option(
+    "--processes",
+    type=POSITIVE_INT,
+    default=1,
+    show_default=True,
+    help="Processes copying parts (whole shards each; the output does not depend on it).",
+)
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
 def compose_cmd(
     task_specs: tuple[str, ...],
@@ -454,6 +485,7 @@ def compose_cmd(
     name: str | None,
     seed: int,
     shard_size: int,
+    processes: int,
     overwrite: bool,
 ) -> None:
     """A stream whose tasks come from other streams (whole, or random parts), + benchmarks.
@@ -475,6 +507,7 @@ def compose_cmd(
         seed=seed,
         shard_size=shard_size,
         overwrite=overwrite,
+        processes=processes,
     )
     echo_summary(m, out)
     for b, bm in m.benchmarks.items():

@@ -1,6 +1,7 @@
 """Image loading for the build (step 4 of `pipeline.build_stream`): each planned image read from
-its local file, its base64 text or the download cache, resized by img2dataset's resizer, in
-`--processes` worker processes, in order.
+its local file, its base64 text or the download cache, resized by img2dataset's resizer: one
+at a time (`load_image`, in the processes that write whole shards: `cvl.streams.parallel`) or
+in order from a pool of `--processes` workers (`load_images`, a build of few shards).
 
 Kept apart from the build, which only plans the images (`pipeline._image_plan`) and writes
 what comes back.
@@ -19,7 +20,8 @@ from cvl.streams.resize import (
 )
 
 
-def _load(item: tuple, image: ImageOptions) -> tuple[bytes | None, str | None]:
+def load_image(item: tuple, image: ImageOptions) -> tuple[bytes | None, str | None]:
+    """The resized JPEG bytes of one plan item (`pipeline._image_plan`), or (None, error)."""
     if item[0] == "file":
         return process_local(item[1], image)
     if item[0] == "b64":
@@ -57,7 +59,7 @@ def _load_b64(
 
 
 def _load_star(args: tuple) -> tuple[bytes | None, str | None]:
-    return _load(*args)
+    return load_image(*args)
 
 
 def load_images(items: list[tuple], image: ImageOptions, processes: int) -> Iterator[tuple]:
@@ -70,4 +72,4 @@ def load_images(items: list[tuple], image: ImageOptions, processes: int) -> Iter
             yield from pool.imap(_load_star, ((it, image) for it in items), chunksize=64)
     else:
         for it in items:
-            yield _load(it, image)
+            yield load_image(it, image)

@@ -133,7 +133,8 @@ def _option_list() -> list:
             default=1,
             show_default=True,
             type=POSITIVE_INT,
-            help="img2dataset processes (and local-image workers).",
+            help="img2dataset processes, and the processes that resize the images and write "
+            "the shards (whole shards each; the output does not depend on it).",
         ),
         click.option(
             "--threads",

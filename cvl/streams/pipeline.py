@@ -29,7 +29,8 @@ class labels, e.g. IncCLIP's BEiT pseudo-label split: give it the label of each 
 
 Where each step lives: `rows.py` (the rows and step 1), `splitrules.py` (steps 2 and 3),
 `imageload.py` (step 4's reading and resizing); this module plans the images and writes the
-stream (step 5). The names of rows.py and splitrules.py stay importable from here.
+stream (step 5), with `--processes` N processes each resizing and writing whole shards
+(`parallel.py`: the bytes do not depend on N). The names of rows.py and splitrules.py stay importable from here.
 """
 
 from __future__ import annotations
@@ -37,13 +38,14 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from cvl.data.index import index_files
 from cvl.errors import CvlError
 from cvl.io import atomic_dir, check_overwrite
 from cvl.progress import progress_bar
@@ -53,10 +55,9 @@ from cvl.streams.download import (
     DownloadOptions,
     ImageOptions,
 )
-from cvl.streams.imageload import (
-    load_images,
-)
+from cvl.streams.imageload import load_image, load_images
 from cvl.streams.manifest import EvalSet, Manifest, ShardSet, TaskInfo, save_manifest
+from cvl.streams.parallel import join_sets, map_shards, shard_ranges, unique_keys
 from cvl.streams.rows import (  # noqa: F401  (re-exported: their home was this module)
     DROPPED_FILE,
     Dropper,
@@ -217,7 +218,6 @@ def build_stream(
         if id(r) in keep_ids:
             groups.setdefault((r.split, r.task or ""), []).append(i)
     out = Path(opts.out)
-    written: dict[tuple[str, str], ShardSet] = {}
     cats: dict[str, set[str]] = {t: set() for t in order}
     # a rule may write a set in sub-folders (TimeSplit: one per period of a merged task)
     sub = getattr(rule, "shard_group", None)
@@ -233,53 +233,68 @@ def build_stream(
             show=opts.progress,
             leave=False,
         )
-        todo = [plan[i] for i in flat if i not in pre]  # held-out images were read already
-        images = load_images(todo, opts.image, opts.download.processes)
         folder = task_folders(order)
-        wrote: dict[tuple[str, str], list[int]] = {}
-
-        def write_one(sink: ShardSink, split: str, task: str, i: int) -> None:
-            data, err = (pre.pop(i), None) if i in pre else next(images)
-            bar.update()
-            r = rows[i]
-            if data is None:
-                drop(_why(err), r, detail=f"{r.where}: {err}")
-                return
-            wrote.setdefault((split, task), []).append(i)
-            meta = {
-                # source metadata first: it never overrides the fields below
-                **{k: printable(v) for k, v in r.meta.items()},
-                "id": r.id,
-                "task": task,
-                "category": r.category,
-                "source": source,
-                "split": split,
-                **({"url": r.url} if r.url else {}),
-                **({"file": printable(Path(r.path).name)} if r.path else {}),
-                **({"captions": r.captions} if r.captions and len(r.captions) > 1 else {}),
-            }
-            sink.write(r.id, data, r.caption, meta)
-            report.keep(split)
-            if r.category:
-                cats[task].add(r.category)
-
+        jobs: list[_ShardJob] = []  # every shard of every set, fixed by input order
         for split, task in seq:
             base = f"train/{folder[task]}" if split == "train" else f"eval/{split}/{folder[task]}"
-            sets: list[ShardSet] = []
             for group, idx in parts[(split, task)]:
                 rel = base if group is None else f"{base}/{task_folders([group])[group]}"
-                sink = ShardSink(tmp, rel, maxcount=opts.shard_size)
-                for i in idx:
-                    write_one(sink, split, task, i)
-                ss = sink.close()
-                if ss.count:
-                    sets.append(ss)
-                    if group is not None:
-                        sub_sets[(split, task, group)] = ss
-            if sets:
-                written[(split, task)] = ShardSet(
-                    [s for ss in sets for s in ss.shards], sum(ss.count for ss in sets)
-                )
+                keys = unique_keys(rows[i].id for i in idx)
+                for k, rg in enumerate(shard_ranges(len(idx), opts.shard_size)):
+                    sl = slice(rg.start, rg.stop)
+                    jobs.append(_ShardJob(split, task, group, rel, k, idx[sl], keys[sl]))
+
+        def write_shard(j: int, images: Iterator[tuple] | None = None) -> _ShardDone:
+            """Load (or take from `images`) and write the images of shard job j."""
+            job = jobs[j]
+            sink = ShardSink(tmp, job.rel, maxcount=opts.shard_size, first=job.number)
+            done = _ShardDone()
+            for i, key in zip(job.rows, job.keys):
+                if i in pre:  # a held-out image read already (`_read_held_out`)
+                    data, err = pre[i], None
+                elif images is None:
+                    data, err = load_image(plan[i], opts.image)
+                else:
+                    data, err = next(images)
+                r = rows[i]
+                if data is None:
+                    done.failed.append((i, err or ""))
+                    continue
+                sink.write(key, data, r.caption, _meta(r, job.split, job.task, source))
+                if r.category:
+                    done.categories.add(r.category)
+            done.shards = sink.close()
+            return done
+
+        procs = opts.download.processes
+        if procs > 1 and len(jobs) >= 2 * procs:  # whole shards in every process
+            _warm([plan[i] for i in flat if i not in pre], opts.image)
+            results = map_shards(write_shard, len(jobs), procs)
+        else:  # few shards: images resized in a pool, shards written here
+            todo = [plan[i] for i in flat if i not in pre]  # held-out images were read already
+            images = load_images(todo, opts.image, procs)
+            results = (write_shard(j, images) for j in range(len(jobs)))
+        group_sets: dict[tuple[str, str, str | None], list[ShardSet]] = {}
+        wrote: dict[tuple[str, str], list[int]] = {}  # the rows written, per set
+        for job, done in zip(jobs, results):
+            bar.update(len(job.rows))
+            for i, err in done.failed:
+                drop(_failure(err), rows[i], detail=f"{rows[i].where}: {err}")
+            failed = {i for i, _ in done.failed}
+            wrote.setdefault((job.split, job.task), []).extend(
+                i for i in job.rows if i not in failed
+            )
+            if done.shards.count:
+                report.kept[job.split] += done.shards.count
+                cats[job.task] |= done.categories
+                group_sets.setdefault((job.split, job.task, job.group), []).append(done.shards)
+        by_set: dict[tuple[str, str], list[ShardSet]] = {}
+        for (split, task, group), parts_ in group_sets.items():
+            ss = join_sets(parts_)
+            if group is not None:
+                sub_sets[(split, task, group)] = ss
+            by_set.setdefault((split, task), []).append(ss)
+        written: dict[tuple[str, str], ShardSet] = {k: join_sets(v) for k, v in by_set.items()}
         bar.close()
 
         tasks: dict[str, TaskInfo] = {}
@@ -355,13 +370,6 @@ def build_stream(
     return m
 
 
-def _why(err: str | None) -> str:
-    """The drop reason of an image that could not be read."""
-    if (err or "").startswith("undecodable base64"):
-        return "bad_base64"
-    return TOO_LARGE if (err or "").startswith(TOO_LARGE) else "bad_image"
-
-
 def _read_held_out(
     rows: list[Row], plan: dict[int, tuple], rule: SplitRule, opts: BuildOptions, drop: Dropper
 ) -> dict[int, bytes]:
@@ -388,7 +396,7 @@ def _read_held_out(
             have, load_images([plan[i] for i in have], opts.image, opts.download.processes)
         ):
             if data is None:
-                drop(_why(err), rows[i], detail=f"{rows[i].where}: {err}")
+                drop(_failure(err or ""), rows[i], detail=f"{rows[i].where}: {err}")
                 del plan[i]
                 bad.append(i)
             else:
@@ -433,13 +441,67 @@ def _leave_out_held(
         if ss is None:
             continue
         for s in ss.shards:
-            (tmp / s).unlink(missing_ok=True)
+            for f in (tmp / s, *map(Path, index_files(str(tmp / s)))):
+                f.unlink(missing_ok=True)  # the shard and its index
         for i in wrote.get((split, task), []):
             drop("task_left_out", rows[i], detail=f"task '{task}' has no training pair")
             report.kept[split] -= 1
         lost.append(f"{split} {ss.count}")
     if lost:
         report.warn(f"task '{task}': its held-out pairs ({', '.join(lost)}) left out with it")
+
+
+@dataclass
+class _ShardJob:
+    """One shard of a (split, task[, group]) set: its number and its rows, with their keys."""
+
+    split: str
+    task: str
+    group: str | None
+    rel: str
+    number: int
+    rows: list[int]
+    keys: list[str]
+
+
+@dataclass
+class _ShardDone:
+    """What writing a shard job gives back: its shards, failed images, categories written."""
+
+    shards: ShardSet = field(default_factory=lambda: ShardSet([], 0))
+    failed: list[tuple[int, str]] = field(default_factory=list)
+    categories: set[str] = field(default_factory=set)
+
+
+def _meta(r: Row, split: str, task: str, source: str) -> dict[str, Any]:
+    """A sample's KEY.json: the source's metadata first (it never overrides the rest)."""
+    return {
+        **{k: printable(v) for k, v in r.meta.items()},
+        "id": r.id,
+        "task": task,
+        "category": r.category,
+        "source": source,
+        "split": split,
+        **({"url": r.url} if r.url else {}),
+        **({"file": printable(Path(r.path).name)} if r.path else {}),
+        **({"captions": r.captions} if r.captions and len(r.captions) > 1 else {}),
+    }
+
+
+def _failure(err: str) -> str:
+    """The drop reason of an image that did not load."""
+    if err.startswith("undecodable base64"):
+        return "bad_base64"
+    return TOO_LARGE if err.startswith(TOO_LARGE) else "bad_image"
+
+
+def _warm(items: list[tuple], image: ImageOptions) -> None:
+    """Make img2dataset's resizer here (its imports take seconds), so the forked shard
+    processes inherit it instead of each making its own."""
+    from cvl.streams.resize import _resizer
+
+    if any(it[0] != "cache" for it in items):  # only cached images skip the resizer
+        _resizer(image)
 
 
 def _parts(

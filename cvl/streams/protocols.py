@@ -340,6 +340,7 @@ def build_protocol(
                 "given": {s: str(given[s].absolute()) for s in given},
             },
             tmp=tmp,
+            processes=opts.download.processes,
         )
     m.root = out.absolute()
     return m

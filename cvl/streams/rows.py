@@ -9,6 +9,8 @@ build on it without the rest of the build. `cvl.streams.pipeline` re-exports eve
 
 from __future__ import annotations
 
+import functools
+import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -116,11 +118,26 @@ def id_problem(raw: Any) -> str | None:
 
 
 def inside_root(path: str | Path, root: str | Path) -> bool:
-    """True when `path` resolves (symlinks followed) to a place inside the folder `root`."""
-    import os
+    """True when `path` resolves (symlinks followed) to a place inside the folder `root`.
 
-    p, r = Path(os.path.realpath(path)), Path(os.path.realpath(root))
-    return p == r or r in p.parents
+    The same as comparing `os.path.realpath`s, with the folders' resolutions cached (a
+    table's images share a few folders): one `lstat` per image instead of one per path
+    component, on the build's one serial path (`validate_rows`)."""
+    cwd = os.getcwd()  # relative paths resolve against it: part of the cache key
+    p = os.fspath(path)
+    head, name = os.path.split(p)
+    if name in ("", ".", "..") or os.path.islink(p):
+        real = os.path.realpath(p)
+    else:  # a plain name: its folder's resolution, then the name
+        real = os.path.join(_real_dir(os.path.join(cwd, head)), name)
+    r = _real_dir(os.path.join(cwd, os.fspath(root)))
+    return real == r or real.startswith(r.rstrip(os.sep) + os.sep)
+
+
+@functools.lru_cache(maxsize=4096)
+def _real_dir(folder: str) -> str:
+    """A folder's `os.path.realpath`, remembered for the rest of one `validate_rows` pass."""
+    return os.path.realpath(folder)
 
 
 def validate_rows(rows: Iterable[Row], drop: Dropper) -> list[Row]:
@@ -128,6 +145,7 @@ def validate_rows(rows: Iterable[Row], drop: Dropper) -> list[Row]:
     or with an image path outside their image root."""
     out: list[Row] = []
     seen: set[tuple[str, str]] = set()
+    _real_dir.cache_clear()  # folders resolved once per build (a later build looks again)
     for r in rows:
         prob = id_problem(r.id)
         if prob:

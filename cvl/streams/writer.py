@@ -27,6 +27,16 @@ def safe_key(raw: str) -> str:
     return key or "_"
 
 
+def unique_key(raw: str, used: set[str]) -> str:
+    """`safe_key(raw)`, with `_1`, `_2`, ... appended while it is in `used` (then added)."""
+    key = base = safe_key(raw)
+    n = 1
+    while key in used:
+        key, n = f"{base}_{n}", n + 1
+    used.add(key)
+    return key
+
+
 def encode_jpeg(img: Image.Image, quality: int = 95) -> bytes:
     """Encode a PIL image as RGB JPEG bytes (deterministic for the same pixels)."""
     buf = io.BytesIO()
@@ -39,13 +49,15 @@ class ShardSink:
 
     Tar headers carry a fixed mtime and owner so the same samples give the same bytes. Each
     shard's index (`cvl.data.index`: member offsets, as tarfile reports them while writing)
-    is written beside it when the shard closes, so no reader ever scans the tar.
+    is written beside it when the shard closes, so no reader ever scans the tar. `first`
+    numbers the first shard (a worker writing shard k of a set: `cvl.streams.parallel`).
     """
 
-    def __init__(self, root: Path, rel: str, maxcount: int = 10000) -> None:
+    def __init__(self, root: Path, rel: str, maxcount: int = 10000, first: int = 0) -> None:
         self.root = Path(root)
         self.rel = rel.strip("/")
         self.maxcount = maxcount
+        self.first = first
         self.count = 0
         self.shards: list[str] = []
         self._writer: wds.TarWriter | None = None
@@ -53,7 +65,7 @@ class ShardSink:
         self._keys: set[str] = set()
 
     def _open(self) -> None:
-        rel = f"{self.rel}/{len(self.shards):06d}.tar"
+        rel = f"{self.rel}/{self.first + len(self.shards):06d}.tar"
         path = self.root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         import webdataset as wds  # here: it imports torch (seconds), which a stream that
@@ -67,11 +79,7 @@ class ShardSink:
 
     def write(self, key: str, jpg: bytes, caption: str, meta: dict[str, Any]) -> str:
         """Add one sample; returns the (unique within this sink) key actually used."""
-        key = safe_key(key)
-        base, n = key, 1
-        while key in self._keys:
-            key, n = f"{base}_{n}", n + 1
-        self._keys.add(key)
+        key = unique_key(key, self._keys)
         if self._writer is None or self._in_shard >= self.maxcount:
             self.close_shard()
             self._open()

@@ -137,6 +137,43 @@ def test_non_finite_loss_stops_at_its_step_even_between_log_lines(
         _train(synth_stream, tmp_path / "n", max_steps_per_task=4, log_every=3)
 
 
+def test_fused_adamw_is_the_cuda_default_and_an_option_elsewhere():
+    """torch's fused AdamW where cvl trains on CUDA (unless --no-fused-adamw); the CPU keeps
+    the for-loop AdamW (its fused kernel rounds differently) unless --fused-adamw; LAMB has
+    none."""
+    from cvl.train.optim import adamw_impl, optimizer_with_schedule
+
+    def cfg(**kw):
+        return resolve(None, {"stream": "s", "out": "o", **kw})
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    auto, on, off = (cfg(fused_adamw=v) for v in (None, True, False))
+    assert [adamw_impl(c, cuda) for c in (auto, on, off)] == ["fused", "fused", "default"]
+    assert [adamw_impl(c, cpu) for c in (auto, on, off)] == ["default", "fused", "default"]
+    assert adamw_impl(cfg(optimizer="lamb"), cuda) == "lamb"
+    with pytest.raises(CvlError, match="--fused-adamw is AdamW's; --optimizer is lamb"):
+        cfg(optimizer="lamb", fused_adamw=True)
+    ps = [torch.nn.Parameter(torch.zeros(2, 2))]
+    assert optimizer_with_schedule(ps, on, 4)[0].defaults["fused"] is True
+    assert not optimizer_with_schedule(ps, auto, 4)[0].defaults["fused"]
+
+
+def test_resume_with_fused_adamw_is_bit_identical(synth_stream, tmp_path, monkeypatch):
+    """The fused AdamW's state (its step counters on the parameters' device) goes through a
+    mid-task checkpoint: an interrupted run ends like an uninterrupted one (here on the CPU;
+    on CUDA, where it is the default, the `gpu` case of the resume test above)."""
+    from cvl.methods.seqft import SeqFT
+
+    kw = dict(checkpoint_every=2, max_steps_per_task=4, fused_adamw=True, device="cpu")
+    _train(synth_stream, tmp_path / "a", **kw)
+    pos = interrupt_then_resume(
+        lambda out: _train(synth_stream, out, **kw), SeqFT, tmp_path / "b", monkeypatch
+    )
+    assert pos["step"] == 2
+    assert_same_task_weights(tmp_path / "a", tmp_path / "b")
+    assert load_run(tmp_path / "b")["runtime"]["optimizer_impl"] == "fused"
+
+
 def test_changed_config_is_refused_unless_forced(synth_stream, tmp_path):
     _train(synth_stream, tmp_path / "r", max_steps_per_task=1)
     with pytest.raises(CvlError, match=r"lr: 0.0005 -> 0.001"):
@@ -299,6 +336,7 @@ def test_device_and_determinism_are_recorded_and_may_change_on_resume(
         "device": "cpu",
         "deterministic": True,
         "deterministic_source": "default",
+        "optimizer_impl": "default",  # the CPU keeps torch's for-loop AdamW
     }
     assert run["config"]["device"] == "cpu" and run["config"]["deterministic"] is None
     assert run["earlier_runtimes"] == []
@@ -316,7 +354,12 @@ def test_device_and_determinism_are_recorded_and_may_change_on_resume(
     assert run["runtime"]["deterministic"] is False
     assert run["runtime"]["deterministic_source"] == "option"
     assert run["earlier_runtimes"] == [
-        {"device": "cpu", "deterministic": True, "deterministic_source": "default"}
+        {
+            "device": "cpu",
+            "deterministic": True,
+            "deterministic_source": "default",
+            "optimizer_impl": "default",
+        }
     ]
     assert not torch.are_deterministic_algorithms_enabled()
 

@@ -34,6 +34,7 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the Trainer takes a GPU when it sees 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from bench_determinism import make_step  # noqa: E402
 from bench_step import cvl_step_times  # noqa: E402
 
@@ -84,6 +85,46 @@ def paired_times(stream: Path, out: Path, common: dict, steps: int, premade: dic
     return [(a1 - e0, e0 - a0) for a0, e0, a1 in zip(starts, ends, starts[1:])]
 
 
+class OpCounter(TorchDispatchMode):
+    """Counts the aten operators dispatched (each one a kernel launch on a GPU, or more)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def op_counts(stream: Path, out: Path, common: dict, premade: dict, bare: Any) -> dict:
+    """Operators per step of cvl (median over 20 steps, and the mean with the log line's) and
+    of the bare step: a count, free of the machine's load."""
+    from cvl.methods.seqft import SeqFT
+
+    counter, marks, real = OpCounter(), [], SeqFT.after_step
+
+    def after_step(self, ctx):
+        real(self, ctx)
+        marks.append(counter.n)
+
+    SeqFT.after_step = after_step
+    try:
+        with counter:
+            cvl_step_times(stream, out, common, 22, premade)
+            before = counter.n
+            bare()
+            bare_ops = counter.n - before
+    finally:
+        SeqFT.after_step = real
+    per = [b - a for a, b in zip(marks[1:], marks[2:])]
+    return {
+        "bare": bare_ops,
+        "cvl_median": statistics.median(per),
+        "cvl_mean": statistics.fmean(per),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=4)
@@ -124,6 +165,7 @@ def main() -> None:
             "log_every": args.log_every,
             "workers": 0,
         }
+        ops = op_counts(stream, Path(tmp) / "ops", common, premade, bare)
         for r in range(args.repeats):
             t = paired_times(stream, Path(tmp) / f"c{r}", common, args.steps, premade, bare)
             pairs += t[args.warmup :]
@@ -144,6 +186,7 @@ def main() -> None:
                     round(q, 3) for q in statistics.quantiles(diff, n=4)
                 ],
                 "goal_ms": 0.5,
+                "operators_per_step": ops,
             },
             indent=1,
         )

@@ -121,7 +121,7 @@ def test_log_lines_average_their_steps(synth_stream, tmp_path):
     assert all(0 < r["samples_per_s"] < 1e5 for r in l1 + l2)
 
 
-def test_non_finite_loss_stops_at_its_step_even_between_log_lines(
+def test_non_finite_loss_is_named_at_its_step_even_between_log_lines(
     synth_stream, tmp_path, monkeypatch
 ):
     from cvl.methods.seqft import SeqFT

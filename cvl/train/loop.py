@@ -9,10 +9,12 @@ and `ctx.generator` from (seed, task, epoch, step, rank), so a resumed run repla
 randomness without saving RNG states. With `--deterministic` (the CPU's default; `cvl.device`)
 the kernels are deterministic too, so a resumed run ends bit-identical to an uninterrupted one.
 
-Per step, nothing leaves the device: loss terms and metrics are summed there and reduced
-across ranks (one all_reduce, one host sync) only when a log line is written, every
-`log_every` steps, at each mid-task checkpoint and at the task's end; a line holds the means
-over the steps since the previous one. One loader (with its workers) serves a whole task.
+Per step, nothing leaves the device: loss terms and metrics stay there as the step made them
+and are reduced across ranks (one all_reduce, one host read) only when a log line is written,
+every `log_every` steps, at each mid-task checkpoint and at the task's end; a line holds the
+means over the steps since the previous one, and that read is also where a NaN/Inf loss is
+found (`cvl.train.guards`; `--skip-nonfinite` reads once per step, before the update). One
+loader (with its workers) serves a whole task.
 
 The run folder's files and checks live in `cvl.train.rundir`, the non-finite guards in
 `cvl.train.guards`, the optimizer and seeding in `cvl.train.optim`.

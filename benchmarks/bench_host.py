@@ -34,9 +34,9 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the Trainer takes a GPU when it sees 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from bench_determinism import make_step  # noqa: E402
 from bench_step import cvl_step_times  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 # ViT-B-32's layout (open_clip's config: 12 vision blocks, patch 32; 12 text blocks, 77
 # tokens) at width 16: what a step launches and walks is ViT-B-32's, its arithmetic is not.

@@ -124,6 +124,8 @@ def test_log_lines_average_their_steps(synth_stream, tmp_path):
 def test_non_finite_loss_is_named_at_its_step_even_between_log_lines(
     synth_stream, tmp_path, monkeypatch
 ):
+    """A NaN loss at step 2 is found at the next log line (step 3) and named with its step;
+    the run stops before that line or the checkpoint that falls on it is written."""
     from cvl.methods.seqft import SeqFT
 
     real = SeqFT.loss
@@ -133,8 +135,34 @@ def test_non_finite_loss_is_named_at_its_step_even_between_log_lines(
         return {k: v * float("nan") for k, v in t.items()} if ctx.step == 1 else t
 
     monkeypatch.setattr(SeqFT, "loss", nan_at_step_1)
+    out = tmp_path / "n"
     with pytest.raises(CvlError, match=r"non-finite loss at task t0 \(index 0\), step 2: itc=nan"):
-        _train(synth_stream, tmp_path / "n", max_steps_per_task=4, log_every=3)
+        _train(synth_stream, out, max_steps_per_task=4, log_every=3, checkpoint_every=3)
+    # found at step 3's line (nothing is read per step): neither that line nor its checkpoint
+    assert not (out / "last").exists() and not (out / "logs" / "00-t0.jsonl").exists()
+
+
+def test_log_window_means_and_the_first_nonfinite_step_by_hand():
+    """The window keeps each step's values as they are and reduces them once: with
+    grad_accum 2, step 1's micro-batches (itc 1, 3; metric m 4 on one of them) and step 2's
+    (itc 5, 7, grad norm NaN) give itc (2 + 6) / 2 = 4, m = (4 / 2) / (1 / 2) = 4, and the
+    first non-finite step is step 2, by its grad norm (`--grad-clip` computed it)."""
+    from cvl.train.logwindow import LogWindow, first_nonfinite
+
+    w = LogWindow(torch.device("cpu"), grad_accum=2)
+    batch = {"image": torch.zeros(3, 1), "n_replaced": 1}
+    for step, (a, b), g in ((1, (1.0, 3.0), 0.5), (2, (5.0, 7.0), float("nan"))):
+        w.begin_step(step, 0.1 * step, [f"id{step}"])
+        w.add_micro({"itc": torch.tensor(a)}, {"m": torch.tensor(4.0)} if step == 1 else {}, batch)
+        w.add_micro({"itc": torch.tensor(b)}, {}, batch)
+        w.add_step(torch.tensor(g))
+    assert w.lr == pytest.approx(0.2)
+    vals, steps = w.reduce()
+    assert vals["t:itc"] == 4.0 and vals["m:m"] == 4.0
+    assert (vals["samples"], vals["replaced"]) == (12, 4) and w.steps == 0
+    assert [t["itc"] for _, t in steps] == [2.0, 6.0]
+    rec, terms = first_nonfinite(steps)
+    assert rec.step == 2 and rec.ids == ["id2"] and math.isnan(terms["grad_norm"])
 
 
 def test_fused_adamw_is_the_cuda_default_and_an_option_elsewhere():

@@ -104,7 +104,7 @@ class LogWindow:
         """(means, steps): step means of the window's terms (`t:NAME`), metrics (`m:NAME`,
         over the steps that set them) and `grad_norm`, rank means; `samples` and `replaced`
         are totals over ranks; `steps` pairs each step's record with its loss terms (rank
-        means, summed over its micro-batches). One host read (and one all_reduce with several
+        means, summed over its micro-batches) and its grad norm when clipping computed one. One host read (and one all_reduce with several
         processes). Resets the window."""
         vals, where = self._values()
         dev = self.device
@@ -125,8 +125,9 @@ class LogWindow:
         per_step: list[dict[str, float]] = [{} for _ in self.records]
         for (i, kind, k), v in zip(where, host):
             v = v / w
-            if kind == "g":
+            if kind == "g":  # (--grad-clip) a non-finite gradient is found like a loss
                 sums["grad_norm"] = sums.get("grad_norm", 0.0) + v
+                per_step[i]["grad_norm"] = v
                 continue
             v = v / self.grad_accum if self.grad_accum > 1 else v
             key = f"{kind}:{k}"
@@ -145,7 +146,8 @@ class LogWindow:
 def first_nonfinite(
     steps: list[tuple[StepRecord, dict[str, float]]],
 ) -> tuple[StepRecord, dict[str, float]] | None:
-    """The first step of a reduced window whose loss terms are not all finite, or None."""
+    """The first step of a reduced window whose loss terms (or grad norm) are not all
+    finite, or None."""
     for rec, terms in steps:
         if not all(math.isfinite(v) for v in terms.values()):
             return rec, terms

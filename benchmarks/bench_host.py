@@ -112,6 +112,7 @@ def op_counts(stream: Path, out: Path, common: dict, premade: dict, bare: Any) -
     try:
         with counter:
             cvl_step_times(stream, out, common, 22, premade)
+            bare()  # its first step also creates AdamW's state
             before = counter.n
             bare()
             bare_ops = counter.n - before

@@ -166,9 +166,9 @@ def test_log_window_means_and_the_first_nonfinite_step_by_hand():
 
 
 def test_fused_adamw_is_the_cuda_default_and_an_option_elsewhere():
-    """torch's fused AdamW where cvl trains on CUDA (unless --no-fused-adamw); the CPU keeps
-    the for-loop AdamW (its fused kernel rounds differently) unless --fused-adamw; LAMB has
-    none."""
+    """torch's fused AdamW where cvl trains on CUDA (unless --no-fused-adamw, or fp16: its
+    scaler's skipped steps must stay visible); the CPU keeps the for-loop AdamW (its fused
+    kernel rounds differently) unless --fused-adamw; LAMB has none."""
     from cvl.train.optim import adamw_impl, optimizer_with_schedule
 
     def cfg(**kw):
@@ -179,6 +179,9 @@ def test_fused_adamw_is_the_cuda_default_and_an_option_elsewhere():
     assert [adamw_impl(c, cuda) for c in (auto, on, off)] == ["fused", "fused", "default"]
     assert [adamw_impl(c, cpu) for c in (auto, on, off)] == ["default", "fused", "default"]
     assert adamw_impl(cfg(optimizer="lamb"), cuda) == "lamb"
+    assert adamw_impl(cfg(precision="fp16"), cuda) == "default"  # overflows seen by the loop
+    with pytest.raises(CvlError, match="--fused-adamw with --precision fp16"):
+        cfg(precision="fp16", fused_adamw=True)
     with pytest.raises(CvlError, match="--fused-adamw is AdamW's; --optimizer is lamb"):
         cfg(optimizer="lamb", fused_adamw=True)
     ps = [torch.nn.Parameter(torch.zeros(2, 2))]

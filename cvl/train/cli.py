@@ -331,8 +331,8 @@ _OPTS = [
     "--fused-adamw/--no-fused-adamw",
     default=None,
     help="AdamW's fused implementation (one kernel for the whole update; torch's "
-    "recommendation on CUDA). Default: on for CUDA, off elsewhere (the CPU keeps torch's "
-    "for-loop AdamW); run.json's runtime records the choice.",
+    "recommendation on CUDA). Default: on for CUDA except with fp16, off elsewhere (the CPU keeps "
+    "torch's for-loop AdamW); run.json's runtime records the choice.",
 )
 @click.option(
     "--grad-checkpointing",

@@ -131,6 +131,11 @@ class TrainConfig:
             self.fused_adamw = to_bool(self.fused_adamw, "--fused-adamw")
             if self.fused_adamw and self.optimizer != "adamw":
                 raise CvlError(f"--fused-adamw is AdamW's; --optimizer is {self.optimizer}")
+            if self.fused_adamw and self.precision == "fp16":
+                raise CvlError(
+                    "--fused-adamw with --precision fp16: the loss scaler would skip overflowed "
+                    "steps inside the fused kernel, unseen by the loop; use bf16 or drop it"
+                )
         if self.warmup_later is not None:
             self.warmup_later = NON_NEGATIVE_FLOAT.check(self.warmup_later, "--warmup-later")
         from cvl.train.budget import budget_options, parse_budget

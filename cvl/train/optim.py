@@ -22,13 +22,17 @@ def task_lr(cfg: Any, task: str | None) -> float:
 
 def adamw_impl(cfg: Any, device: torch.device) -> str:
     """Which AdamW implementation trains on `device`: "fused" (`--fused-adamw`; by default on
-    CUDA, torch's recommendation there: one kernel per update, and a skipped fp16 step stays
-    on the device) or "default" (torch's choice without it: for-each on a GPU, for-loop on
-    the CPU, which keeps CPU runs bit-identical to earlier cvl versions); "lamb" for LAMB."""
+    CUDA, torch's recommendation there: one kernel per update) or "default" (torch's choice
+    without it: for-each on a GPU, for-loop on the CPU, which keeps CPU runs bit-identical to
+    earlier cvl versions); "lamb" for LAMB. fp16 keeps the default: its loss scaler would
+    skip an overflowed step inside the fused kernel, where the loop cannot see it (and must
+    not run the method's `after_step`)."""
     if getattr(cfg, "optimizer", "adamw") == "lamb":
         return "lamb"
     choice = getattr(cfg, "fused_adamw", None)
-    fused = device.type == "cuda" if choice is None else bool(choice)
+    if choice is None:
+        choice = device.type == "cuda" and getattr(cfg, "precision", "no") != "fp16"
+    fused = bool(choice)
     return "fused" if fused else "default"
 
 

@@ -54,8 +54,10 @@ def sync(device: Any) -> None:
         torch.cuda.synchronize(device)
 
 
-def make_step(model: Any, images: Any, tokens: Any, precision: str):
-    """One bare open_clip training step as a closure (AdamW with open_clip's decay groups)."""
+def make_step(model: Any, images: Any, tokens: Any, precision: str, fused: bool | None = None):
+    """One bare open_clip training step as a closure (AdamW with open_clip's decay groups;
+    `fused`: torch's fused AdamW). `images`: the batch, or a function that makes each step's
+    (from a loader's pixels, as cvl's loop does: `gpu_check`)."""
     import torch
     from open_clip.loss import ClipLoss
 
@@ -68,13 +70,15 @@ def make_step(model: Any, images: Any, tokens: Any, precision: str):
         lr=5e-4,
         betas=(0.9, 0.98),
         eps=1e-6,
+        fused=fused,
     )
     loss_fn = ClipLoss()
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    feed = images if callable(images) else lambda: images
 
     def step() -> None:
-        with torch.autocast(images.device.type, dtype=dtype, enabled=precision == "bf16"):
-            image_features, text_features, scale = clip(images, tokens)[:3]
+        with torch.autocast(tokens.device.type, dtype=dtype, enabled=precision == "bf16"):
+            image_features, text_features, scale = clip(feed(), tokens)[:3]
             loss = loss_fn(image_features, text_features, scale)
         loss.backward()
         opt.step()

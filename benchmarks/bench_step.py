@@ -41,7 +41,8 @@ import torch
 def bare_step_times(
     model, images, tokens, steps: int, lr: float = 5e-4, precision: str = "no"
 ) -> list[float]:
-    """open_clip's training step (ClipLoss, AdamW with open_clip's decay groups)."""
+    """open_clip's training step (ClipLoss, AdamW with open_clip's decay groups); `images`: a
+    batch, or a function that makes each step's (e.g. from a loader's uint8 pixels, as cvl)."""
     from open_clip.loss import ClipLoss
 
     clip = model.clip
@@ -56,10 +57,12 @@ def bare_step_times(
     )
     loss_fn = ClipLoss()
     times = []
-    dev = images.device.type
+    dev = tokens.device.type
+    feed = images if callable(images) else lambda: images
     for _ in range(steps):
+        x = feed()
         with torch.autocast(dev, torch.bfloat16, enabled=precision == "bf16"):
-            image_features, text_features, scale = clip(images, tokens)[:3]  # scale: exp'd
+            image_features, text_features, scale = clip(x, tokens)[:3]  # scale: exp'd
             loss = loss_fn(image_features, text_features, scale)
         loss.backward()
         opt.step()

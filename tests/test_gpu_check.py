@@ -41,22 +41,35 @@ def test_gpu_check_without_cuda_says_so_and_fails():
 
 
 def test_gpu_check_benchmark_dry_run_on_the_cpu(capsys):
-    """The benchmark half on the CPU with a tiny model: every row, positive step times."""
+    """The benchmark half on the CPU with a tiny model: every row, positive step times; the
+    bare and cvl steps fed alike (on the device, and through the loader's pinned copy)."""
     import gpu_check
 
     args = gpu_check.parse_args(
         ["--device", "cpu", "--no-tests", "--model-config", "tiny-vit"]
         + ["--batch", "8", "--steps", "2", "--warmup", "1", "--methods", "modx"]
+        + ["--e2e-steps", "1"]
     )
     res = gpu_check.benchmark(args)
     t = res["seconds_per_step"]
-    assert set(t) == {"bare", "bare_deterministic", "seqft", "modx"}
-    assert t["bare"] > 0 and t["bare_deterministic"] > 0
-    assert len(t["seqft"]) == len(t["modx"]) == 2 and min(t["seqft"] + t["modx"]) > 0
+    bare = {"bare_device", "bare_pinned", "bare_foreach", "bare_deterministic"}
+    assert set(t) == bare | {"seqft_device", "seqft_pinned", "modx"}
+    assert min(t[k] for k in bare) > 0 and res["e2e_seconds_per_step"] > 0
+    steps = t["seqft_device"] + t["seqft_pinned"] + t["modx"]
+    assert len(steps) == 6 and min(steps) > 0
+    assert res["adamw"] == "default"  # the CPU's: cvl's run and the bare step alike
     out = gpu_check.table(res, None)
-    for row in ("| bare open_clip |", "| cvl seqft, task 1 |", "| cvl modx, task 2 |"):
+    for row in (
+        "| bare open_clip | device |",
+        "| bare open_clip | pinned |",
+        "| cvl seqft, task 1 | device |",
+        "| cvl seqft, task 2 | pinned |",
+        "| cvl modx, task 2 | pinned |",
+        "| cvl seqft, real loader (JPEGs) | loader |",
+    ):
         assert row in out
-    assert "× seqft task 2" in out and not torch.are_deterministic_algorithms_enabled()
+    assert "× bare (pinned)" in out and "× seqft task 2" in out
+    assert not torch.are_deterministic_algorithms_enabled()
 
 
 def test_bench_determinism_runs_both_modes_and_lists_ops():

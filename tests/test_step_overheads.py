@@ -4,9 +4,12 @@ tensor, frozen models in the training precision, gradients reduced during the ba
 - Host syncs, CPU: every trained method (and the fusion model's MLM paths) trains 2 tasks × 2
   steps under a `TorchDispatchMode` that flags the ops which make the host wait for a GPU
   (a tensor read as a Python number, `nonzero`, boolean-mask indexing, `unique`, `equal`,
-  `tolist`) while a method's per-step hook runs (before_step, loss, backward of its terms,
-  after_backward, after_step). The loop's own one sync per step (the non-finite check) and
-  per-task work (before_task, after_task) are not the method's step.
+  `tolist`, `cpu`, `numpy`) while a method's per-step hook runs (before_step, loss, backward
+  of its terms, after_backward, after_step), and every tensor read anywhere in the step, the
+  loop's own included, between log points (issue 45: the non-finite guard reads its flags
+  with the log line's values): zero per step. Per-task work (before_task, after_task), log
+  lines and checkpoints are not the step; nor are the optimizer's own step counters, which
+  torch keeps on the CPU for its non-fused implementations.
 - Host syncs, CUDA (when torch sees a GPU): the same runs under
   `torch.cuda.set_sync_debug_mode("error")`, which also catches blocking host-to-device copies.
 - Gathers, 2 processes (gloo): one loss + backward of each old-model method; no tensor is
@@ -47,6 +50,10 @@ ALLOWED = {
     # not per step: AFEC's expanded model trains its own epoch once per epoch (CPU-read data,
     # its optimizer's CPU step counters, its epoch loss read once)
     ("methods/afec.py", "_expanded_epoch"),
+    # the loader's samples and batches (in its worker processes on a real run; here, with
+    # --workers 0, in this one): decoded, cropped and collated on the host
+    ("data/reader.py", "__getitem__"),
+    ("data/reader.py", "collate"),
 }
 aten = torch.ops.aten
 SYNC_OPS = {
@@ -81,13 +88,14 @@ class SyncDetector(TorchDispatchMode):
         super().__init__()
         self.found: set[str] = set()
         self.in_backward = False
+        self.in_step = False  # from a step's start to the next log line
 
     def note(self, what: str) -> None:
         frames = _cvl_frames()
         in_hook = any(p.startswith("methods/") and fn in STEP_HOOKS for p, fn, _ in frames)
-        if not (in_hook or self.in_backward):
+        if not (in_hook or self.in_backward or self.in_step):
             return
-        if any((p, fn) in ALLOWED for p, fn, _ in frames):
+        if any((p, fn) in ALLOWED for p, fn, _ in frames) or _optimizer_counter():
             return
         where = next((f"{p}:{ln} ({fn})" for p, fn, ln in frames), "outside cvl")
         self.found.add(f"{what} at {where}")
@@ -105,6 +113,18 @@ class SyncDetector(TorchDispatchMode):
         elif packet is aten.repeat_interleave and kwargs.get("output_size") is None:
             self.note("repeat_interleave without output_size")
         return func(*args, **kwargs)
+
+
+def _optimizer_counter() -> bool:
+    """A read by torch's non-fused optimizers of their step counter (a CPU tensor on a GPU
+    run too: `capturable=False`)."""
+    f = sys._getframe(2)
+    while f is not None:
+        name = f.f_code.co_filename.replace("\\", "/")
+        if "/torch/optim/" in name and f.f_code.co_name in ("_get_value", "_get_scalar_dtype"):
+            return True
+        f = f.f_back
+    return False
 
 
 def _tiny_stream(root: Path) -> Path:
@@ -158,13 +178,26 @@ def _train_detecting(argv: list[str], monkeypatch) -> set[str]:
 
     monkeypatch.setattr(loop.GradReducer, "prepare", prepare)
     monkeypatch.setattr(loop.GradReducer, "finish", finish)
-    real_tolist = torch.Tensor.tolist
+    real_begin, real_flush = loop.LogWindow.begin_step, loop.Trainer._flush_log
 
-    def tolist(self):
-        det.note("tolist")
-        return real_tolist(self)
+    def begin_step(self, *a, **k):  # a step starts (its first micro-batch is loaded)
+        det.in_step = True
+        return real_begin(self, *a, **k)
 
-    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+    def flush_log(self, *a, **k):  # a log point: the window's one read is allowed here
+        det.in_step = False
+        return real_flush(self, *a, **k)
+
+    monkeypatch.setattr(loop.LogWindow, "begin_step", begin_step)
+    monkeypatch.setattr(loop.Trainer, "_flush_log", flush_log)
+    for name in ("tolist", "cpu", "numpy"):  # reads that do not dispatch an op on the CPU
+        real = getattr(torch.Tensor, name)
+
+        def read(self, *a, _real=real, _name=name, **k):
+            det.note(_name)
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, read)
     with det:
         assert main(argv) in (0, None)
     return det.found
@@ -191,6 +224,22 @@ def test_the_detector_catches_a_sync_in_a_method_step(stream, tmp_path, monkeypa
     monkeypatch.setattr(modx, "row_correct", row_correct)
     found = _train_detecting(_argv(stream, tmp_path / "run", "modx", "clip"), monkeypatch)
     assert any("_local_scalar_dense" in f and "methods/modx.py" in f for f in found), found
+
+
+def test_the_detector_catches_the_loops_own_read_between_log_points(stream, tmp_path, monkeypatch):
+    """The step's own reads count too: the finiteness read the guard made before every
+    backward until issue 45 (`bool(torch.isfinite(loss))`) is caught, once per step."""
+    import cvl.train.loop as loop
+
+    real = loop.Trainer._backward
+
+    def backward(self, loss):
+        bool(torch.isfinite(loss.detach()))
+        return real(self, loss)
+
+    monkeypatch.setattr(loop.Trainer, "_backward", backward)
+    found = _train_detecting(_argv(stream, tmp_path / "run", "seqft", "clip"), monkeypatch)
+    assert any("train/loop.py" in f and "_train_task" in f for f in found), found
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

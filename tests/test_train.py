@@ -121,9 +121,11 @@ def test_log_lines_average_their_steps(synth_stream, tmp_path):
     assert all(0 < r["samples_per_s"] < 1e5 for r in l1 + l2)
 
 
-def test_non_finite_loss_stops_at_its_step_even_between_log_lines(
+def test_non_finite_loss_is_named_at_its_step_even_between_log_lines(
     synth_stream, tmp_path, monkeypatch
 ):
+    """A NaN loss at step 2 is found at the next log line (step 3) and named with its step;
+    the run stops before that line or the checkpoint that falls on it is written."""
     from cvl.methods.seqft import SeqFT
 
     real = SeqFT.loss
@@ -133,8 +135,74 @@ def test_non_finite_loss_stops_at_its_step_even_between_log_lines(
         return {k: v * float("nan") for k, v in t.items()} if ctx.step == 1 else t
 
     monkeypatch.setattr(SeqFT, "loss", nan_at_step_1)
+    out = tmp_path / "n"
     with pytest.raises(CvlError, match=r"non-finite loss at task t0 \(index 0\), step 2: itc=nan"):
-        _train(synth_stream, tmp_path / "n", max_steps_per_task=4, log_every=3)
+        _train(synth_stream, out, max_steps_per_task=4, log_every=3, checkpoint_every=3)
+    # found at step 3's line (nothing is read per step): neither that line nor its checkpoint
+    assert not (out / "last").exists() and not (out / "logs" / "00-t0.jsonl").exists()
+
+
+def test_log_window_means_and_the_first_nonfinite_step_by_hand():
+    """The window keeps each step's values as they are and reduces them once: with
+    grad_accum 2, step 1's micro-batches (itc 1, 3; metric m 4 on one of them) and step 2's
+    (itc 5, 7, grad norm NaN) give itc (2 + 6) / 2 = 4, m = (4 / 2) / (1 / 2) = 4, and the
+    first non-finite step is step 2, by its grad norm (`--grad-clip` computed it)."""
+    from cvl.train.logwindow import LogWindow, first_nonfinite
+
+    w = LogWindow(torch.device("cpu"), grad_accum=2)
+    batch = {"image": torch.zeros(3, 1), "n_replaced": 1}
+    for step, (a, b), g in ((1, (1.0, 3.0), 0.5), (2, (5.0, 7.0), float("nan"))):
+        w.begin_step(step, 0.1 * step, [f"id{step}"])
+        w.add_micro({"itc": torch.tensor(a)}, {"m": torch.tensor(4.0)} if step == 1 else {}, batch)
+        w.add_micro({"itc": torch.tensor(b)}, {}, batch)
+        w.add_step(torch.tensor(g))
+    assert w.lr == pytest.approx(0.2)
+    vals, steps = w.reduce()
+    assert vals["t:itc"] == 4.0 and vals["m:m"] == 4.0
+    assert (vals["samples"], vals["replaced"]) == (12, 4) and w.steps == 0
+    assert [t["itc"] for _, t in steps] == [2.0, 6.0]
+    rec, terms = first_nonfinite(steps)
+    assert rec.step == 2 and rec.ids == ["id2"] and math.isnan(terms["grad_norm"])
+
+
+def test_fused_adamw_is_the_cuda_default_and_an_option_elsewhere():
+    """torch's fused AdamW where cvl trains on CUDA (unless --no-fused-adamw, or fp16: its
+    scaler's skipped steps must stay visible); the CPU keeps the for-loop AdamW (its fused
+    kernel rounds differently) unless --fused-adamw; LAMB has none."""
+    from cvl.train.optim import adamw_impl, optimizer_with_schedule
+
+    def cfg(**kw):
+        return resolve(None, {"stream": "s", "out": "o", **kw})
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    auto, on, off = (cfg(fused_adamw=v) for v in (None, True, False))
+    assert [adamw_impl(c, cuda) for c in (auto, on, off)] == ["fused", "fused", "default"]
+    assert [adamw_impl(c, cpu) for c in (auto, on, off)] == ["default", "fused", "default"]
+    assert adamw_impl(cfg(optimizer="lamb"), cuda) == "lamb"
+    assert adamw_impl(cfg(precision="fp16"), cuda) == "default"  # overflows seen by the loop
+    with pytest.raises(CvlError, match="--fused-adamw with --precision fp16"):
+        cfg(precision="fp16", fused_adamw=True)
+    with pytest.raises(CvlError, match="--fused-adamw is AdamW's; --optimizer is lamb"):
+        cfg(optimizer="lamb", fused_adamw=True)
+    ps = [torch.nn.Parameter(torch.zeros(2, 2))]
+    assert optimizer_with_schedule(ps, on, 4)[0].defaults["fused"] is True
+    assert not optimizer_with_schedule(ps, auto, 4)[0].defaults["fused"]
+
+
+def test_resume_with_fused_adamw_is_bit_identical(synth_stream, tmp_path, monkeypatch):
+    """The fused AdamW's state (its step counters on the parameters' device) goes through a
+    mid-task checkpoint: an interrupted run ends like an uninterrupted one (here on the CPU;
+    on CUDA, where it is the default, the `gpu` case of the resume test above)."""
+    from cvl.methods.seqft import SeqFT
+
+    kw = dict(checkpoint_every=2, max_steps_per_task=4, fused_adamw=True, device="cpu")
+    _train(synth_stream, tmp_path / "a", **kw)
+    pos = interrupt_then_resume(
+        lambda out: _train(synth_stream, out, **kw), SeqFT, tmp_path / "b", monkeypatch
+    )
+    assert pos["step"] == 2
+    assert_same_task_weights(tmp_path / "a", tmp_path / "b")
+    assert load_run(tmp_path / "b")["runtime"]["optimizer_impl"] == "fused"
 
 
 def test_changed_config_is_refused_unless_forced(synth_stream, tmp_path):
@@ -299,6 +367,7 @@ def test_device_and_determinism_are_recorded_and_may_change_on_resume(
         "device": "cpu",
         "deterministic": True,
         "deterministic_source": "default",
+        "optimizer_impl": "default",  # the CPU keeps torch's for-loop AdamW
     }
     assert run["config"]["device"] == "cpu" and run["config"]["deterministic"] is None
     assert run["earlier_runtimes"] == []
@@ -316,7 +385,12 @@ def test_device_and_determinism_are_recorded_and_may_change_on_resume(
     assert run["runtime"]["deterministic"] is False
     assert run["runtime"]["deterministic_source"] == "option"
     assert run["earlier_runtimes"] == [
-        {"device": "cpu", "deterministic": True, "deterministic_source": "default"}
+        {
+            "device": "cpu",
+            "deterministic": True,
+            "deterministic_source": "default",
+            "optimizer_impl": "default",
+        }
     ]
     assert not torch.are_deterministic_algorithms_enabled()
 

@@ -36,6 +36,7 @@ _OPTS = [
     "lr",
     "min_lr",
     "optimizer",
+    "fused_adamw",
     "weight_decay",
     "warmup",
     "warmup_later",
@@ -336,6 +337,13 @@ _OPTS = [
     help="Optimizer steps with a NaN/Inf loss to skip (no update, counted in the log as "
     "nonfinite_skipped) before the run stops; 0 = stop at the first one. A task stops anyway "
     "once more than 10% of its steps (and more than one) were skipped.",
+)
+@click.option(
+    "--fused-adamw/--no-fused-adamw",
+    default=None,
+    help="AdamW's fused implementation (one kernel for the whole update; torch's "
+    "recommendation on CUDA). Default: on for CUDA except with fp16, off elsewhere (the CPU keeps "
+    "torch's for-loop AdamW); run.json's runtime records the choice.",
 )
 @click.option(
     "--grad-checkpointing",

@@ -48,6 +48,7 @@ class TrainConfig:
     lr_schedule: str = "cosine"  # per task, over the stream, FoMo's (cvl.train.schedules)
     cooldown: float = 0.1  # rsqrt schedules: linear cool-down, fraction (< 1) or steps (≥ 1)
     optimizer: str = "adamw"  # adamw | lamb (timm's LAMB: IncCLIP trains with it)
+    fused_adamw: bool | None = None  # AdamW's fused kernel; None = on CUDA (cvl.train.optim)
     beta1: float = 0.9
     beta2: float = 0.98
     eps: float = 1e-6
@@ -127,6 +128,15 @@ class TrainConfig:
             )
         if self.deterministic is not None:
             self.deterministic = to_bool(self.deterministic, "--deterministic")
+        if self.fused_adamw is not None:
+            self.fused_adamw = to_bool(self.fused_adamw, "--fused-adamw")
+            if self.fused_adamw and self.optimizer != "adamw":
+                raise CvlError(f"--fused-adamw is AdamW's; --optimizer is {self.optimizer}")
+            if self.fused_adamw and self.precision == "fp16":
+                raise CvlError(
+                    "--fused-adamw with --precision fp16: the loss scaler would skip overflowed "
+                    "steps inside the fused kernel, unseen by the loop; use bf16 or drop it"
+                )
         if self.warmup_later is not None:
             self.warmup_later = NON_NEGATIVE_FLOAT.check(self.warmup_later, "--warmup-later")
         from cvl.train.budget import budget_options, parse_budget
@@ -243,7 +253,8 @@ LIMITS: dict[str, Num] = {
 # skip_nonfinite: a run stopped by a NaN must be resumable with a skip allowance added.
 # grad_checkpointing and compile compute the same function (up to floating-point rounding).
 # device and deterministic change where and how reproducibly the same maths runs, not what it
-# is: a run may move machines or switch modes (run.json's "runtime" records each change).
+# is: a run may move machines or switch modes (run.json's "runtime" records each change);
+# fused_adamw too (the same update in one kernel, up to floating-point rounding).
 NON_RESULT_KEYS = {
     "out",
     "workers",
@@ -256,6 +267,7 @@ NON_RESULT_KEYS = {
     "compile",
     "device",
     "deterministic",
+    "fused_adamw",
 }
 
 

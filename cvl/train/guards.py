@@ -1,10 +1,13 @@
-"""Non-finite guards of `Trainer` (a mixin): a NaN/Inf loss skipped or stopped at the exact
-step with its sample ids, weights checked before every save, and the hints that go with
-them (lower the learning rate, how to resume)."""
+"""Non-finite guards of `Trainer` (a mixin): a NaN/Inf loss stopped with its exact step and
+sample ids (found at the next log line, before any checkpoint: nothing is read from the
+device per step) or, within `--skip-nonfinite`, skipped (read before each update), weights
+checked before every save, and the hints that go with them (lower the learning rate, how to
+resume)."""
 
 from __future__ import annotations
 
 import json
+import math
 
 import torch
 
@@ -12,6 +15,7 @@ from cvl.dist import world_size
 from cvl.errors import CvlError
 from cvl.io import read_json
 from cvl.methods.base import TaskContext
+from cvl.train.logwindow import StepRecord
 from cvl.train.rundir import LAST
 
 # A task stops when more than this share of its optimizer steps (and more than one) were
@@ -22,35 +26,39 @@ MAX_SKIPPED_SHARE = 0.1
 class NonFiniteGuards:
     """Stops (or, within `--skip-nonfinite`, skips) non-finite steps; checks weights."""
 
-    def _nonfinite(
-        self, loss: torch.Tensor, terms: dict[str, torch.Tensor], batch: dict, ctx: TaskContext
-    ) -> bool:
-        """True when the loss is NaN/Inf on any rank and `--skip-nonfinite` allows a skip.
-
-        The one host sync of a step (a finiteness flag; with several processes one all-reduce
-        of it, so every rank takes the same decision and none waits in a collective the others
-        skip): stopping at the exact step, with the batch's sample ids, needs it. Past the
-        allowance the run stops with the term names, the step and the sample ids; last/ still
-        holds the previous good checkpoint. A task also stops once more than
-        `MAX_SKIPPED_SHARE` of its steps (and more than one) were skipped, whatever the
-        allowance: a task that skips that many is no longer being trained.
-        """
-        flag = torch.isfinite(loss.detach()).float()
+    def _step_finite(self, losses: list[torch.Tensor]) -> bool:
+        """`--skip-nonfinite N` (N > 0) only: whether this step's losses (one per micro-batch,
+        its backward already launched) are finite on every rank, read before the update so a
+        bad step can be skipped. One host read per step (and, with several processes, one
+        all_reduce of the flag, so all ranks take the same decision); without an allowance the
+        loop reads nothing per step and `_nonfinite` runs at the next log line instead."""
+        flag = torch.isfinite(torch.stack([x.detach().float() for x in losses])).all().float()
         if world_size() > 1:
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
-        if bool(flag):
-            return False
-        bad = [k for k, v in terms.items() if not bool(torch.isfinite(v.detach()).all())]
+        return bool(flag)
+
+    def _nonfinite(self, terms: dict[str, float], rec: StepRecord, ctx: TaskContext) -> None:
+        """Count a step whose loss was NaN/Inf on some rank (`terms`: its values here, `rec`:
+        its step, lr and sample ids); stop past the allowance, else say it was skipped.
+
+        Past `--skip-nonfinite` the run stops with the term names, the step and the sample
+        ids; last/ still holds the previous good checkpoint (checkpoints follow log lines, where
+        the loop looks). A task also stops once more than `MAX_SKIPPED_SHARE` of its steps (and
+        more than one) were skipped, whatever the allowance: a task that skips that many is no
+        longer being trained.
+        """
+        bad = [k for k, v in terms.items() if not math.isfinite(v)]
         self.nonfinite_skipped = getattr(self, "nonfinite_skipped", 0) + 1
-        vals = ", ".join(f"{k}={float(v.detach()):.4g}" for k, v in terms.items() if k in bad)
-        where = f"task {ctx.task_name} (index {ctx.task_index}), step {ctx.step + 1}"
-        ids = [str(i) for i in batch.get("id", [])]
+        vals = ", ".join(f"{k}={terms[k]:.4g}" for k in bad)
+        where = f"task {ctx.task_name} (index {ctx.task_index}), step {rec.step}"
+        ids = [str(i) for i in rec.ids]
+        lr = self._lr_hint(rec.lr)
         if self.nonfinite_skipped > self.cfg.skip_nonfinite:
             raise CvlError(
                 f"non-finite loss at {where}: {vals or 'on another rank'}; "
                 f"sample ids (rank {self.acc.process_index}): {', '.join(ids[:32])}"
                 + (" ..." if len(ids) > 32 else "")
-                + f"; {self._lr_hint()}; {self._resume_hint(ctx)}: fix the data or the "
+                + f"; {lr}; {self._resume_hint(ctx)}: fix the data or the "
                 "settings, or add --skip-nonfinite N"
             )
         n_task, limit = self._count_task_skip(ctx)
@@ -58,19 +66,18 @@ class NonFiniteGuards:
             raise CvlError(
                 f"non-finite loss at {where}: {n_task} of the task's {ctx.steps_in_task} steps "
                 f"skipped, more than {MAX_SKIPPED_SHARE:.0%} (at most {limit}): the task is not "
-                f"training; {self._lr_hint()}; {self._resume_hint(ctx)}"
+                f"training; {lr}; {self._resume_hint(ctx)}"
             )
         self.acc.print(
             f"warning: non-finite loss at {where} ({vals or 'on another rank'}): step skipped "
             f"({self.nonfinite_skipped} of --skip-nonfinite {self.cfg.skip_nonfinite})"
         )
-        return True
 
     def _count_task_skip(self, ctx: TaskContext) -> tuple[int, int]:
         """Count one more skipped step of this task: (skipped so far, most allowed).
 
         Steps skipped before a resume come from the task's log (truncated to the resumed
-        step); every rank reads it after the step's all-reduce, so all decide alike."""
+        step); every rank reads it after the step's flag is reduced, so all decide alike."""
         c = getattr(self, "_skips", None)
         if c is None or c[0] != ctx.task_index:
             logged = 0
@@ -81,9 +88,8 @@ class NonFiniteGuards:
         c[1] += 1
         return c[1], max(1, int(MAX_SKIPPED_SHARE * ctx.steps_in_task))
 
-    def _lr_hint(self) -> str:
-        opt = getattr(self, "_opt", None)
-        now = f"lr {opt.param_groups[0]['lr']:.3g} at this step, " if opt is not None else ""
+    def _lr_hint(self, lr: float | None) -> str:
+        now = f"lr {lr:.3g} at this step, " if lr is not None else ""
         return f"{now}--lr {self.cfg.lr:g}: a lower --lr or a --grad-clip often helps"
 
     def _resume_hint(self, ctx: TaskContext) -> str:
@@ -111,9 +117,11 @@ class NonFiniteGuards:
         if bool(ok.all()):
             return
         bad = [n for (n, _), good in zip(params, ok.tolist()) if not good]
+        opt = getattr(self, "_opt", None)
+        lr = opt.param_groups[0]["lr"] if opt is not None else None
         raise CvlError(
             f"non-finite weights at task {ctx.task_name} (index {ctx.task_index}), step "
-            f"{ctx.step}: {len(bad)} tensor(s), e.g. {bad[0]}; not saved; {self._lr_hint()}; "
+            f"{ctx.step}: {len(bad)} tensor(s), e.g. {bad[0]}; not saved; {self._lr_hint(lr)}; "
             f"{self._resume_hint(ctx)}"
         )
 

@@ -9,10 +9,12 @@ and `ctx.generator` from (seed, task, epoch, step, rank), so a resumed run repla
 randomness without saving RNG states. With `--deterministic` (the CPU's default; `cvl.device`)
 the kernels are deterministic too, so a resumed run ends bit-identical to an uninterrupted one.
 
-Per step, nothing leaves the device: loss terms and metrics are summed there and reduced
-across ranks (one all_reduce, one host sync) only when a log line is written, every
-`log_every` steps, at each mid-task checkpoint and at the task's end; a line holds the means
-over the steps since the previous one. One loader (with its workers) serves a whole task.
+Per step, nothing leaves the device: loss terms and metrics stay there as the step made them
+and are reduced across ranks (one all_reduce, one host read) only when a log line is written,
+every `log_every` steps, at each mid-task checkpoint and at the task's end; a line holds the
+means over the steps since the previous one, and that read is also where a NaN/Inf loss is
+found (`cvl.train.guards`; `--skip-nonfinite` reads once per step, before the update). One
+loader (with its workers) serves a whole task.
 
 The run folder's files and checks live in `cvl.train.rundir`, the non-finite guards in
 `cvl.train.guards`, the optimizer and seeding in `cvl.train.optim`.
@@ -51,9 +53,7 @@ from cvl.train.budget import budget_options, measure_step, parse_budget, plan_ta
 from cvl.train.config import TrainConfig
 from cvl.train.cost import CostTracker
 from cvl.train.guards import NonFiniteGuards
-from cvl.train.logwindow import (
-    LogWindow,
-)
+from cvl.train.logwindow import LogWindow, first_nonfinite
 from cvl.train.optim import optimizer_with_schedule, seed_torch
 from cvl.train.plan import (
     BN_MESSAGE,
@@ -303,7 +303,16 @@ class Trainer(RunFolder, NonFiniteGuards):
             terms = self.method.loss(batch, out, ctx)
         if not terms:
             raise CvlError(f"method '{self.cfg.method}' returned no loss terms")
-        return terms, sum(terms.values())
+        first, *rest = terms.values()
+        return terms, sum(rest, first)  # (not `sum(terms)`: no 0 + first kernel)
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        """The micro-batch's backward, its loss averaged over `grad_accum` micro-batches and
+        scaled by fp16's GradScaler (Accelerate's `backward` without its division by 1)."""
+        if self.cfg.grad_accum > 1:
+            loss = loss / self.cfg.grad_accum
+        scaler = self.acc.scaler
+        (scaler.scale(loss) if scaler is not None else loss).backward()
 
     def _update(
         self,
@@ -330,10 +339,14 @@ class Trainer(RunFolder, NonFiniteGuards):
             scaler.unscale_(getattr(opt, "optimizer", opt))  # the AcceleratedOptimizer's own
         self.method.after_backward(ctx)
         gnorm = clip(params, self.cfg.grad_clip) if self.cfg.grad_clip > 0 else None
-        opt.step()
+        # without a scaler, Accelerate's wrapper only forwards the step (after per-step checks)
+        (opt if scaler is not None else getattr(opt, "optimizer", opt)).step()
         return gnorm
 
     def _params(self) -> list[torch.nn.Parameter]:
+        """The parameters that train: the model's, then the method's own. Methods and tuning
+        set `requires_grad` before the task's optimizer is made, so the loop takes this list
+        once per task (`_task_params`), not at every step."""
         ps = [p for p in self.model.parameters() if p.requires_grad]
         return ps + [p for p in self.method.extra_parameters() if p.requires_grad]
 
@@ -341,7 +354,8 @@ class Trainer(RunFolder, NonFiniteGuards):
         # the previous task's optimizer (and its moments) is freed before this task's is made
         self._opt = None
         drop_optimizers(self.acc)
-        opt, sched = optimizer_with_schedule(self._params(), self.cfg, steps, lr_lambda, task)
+        self._task_params = self._params()
+        opt, sched = optimizer_with_schedule(self._task_params, self.cfg, steps, lr_lambda, task)
         self._opt = self.acc.prepare_optimizer(opt, device_placement=False)
         return self._opt, sched
 
@@ -437,14 +451,17 @@ class Trainer(RunFolder, NonFiniteGuards):
                 pin_memory=acc.device.type == "cuda",
             )
         )
-        window = LogWindow(acc.device)
+        window = LogWindow(acc.device, cfg.grad_accum)
+        params = self._task_params
+        inner = getattr(opt, "optimizer", opt)  # zero_grad without Accelerate's per-step checks
+        skip_mode = cfg.skip_nonfinite > 0  # a bad step must not update: read before each one
         done = ctx.step >= total
         for epoch in range(epoch0, steps.epochs):
             if done:
                 break
             ctx.epoch = epoch
             start = batch0 if epoch == epoch0 else 0
-            micro, skip_step = 0, False
+            micro, losses = 0, []
             for bi in range(start, usable):
                 batch = next(batches)
                 if micro == 0:
@@ -457,36 +474,38 @@ class Trainer(RunFolder, NonFiniteGuards):
                         sample_seed(cfg.seed, ti, epoch, ctx.step)
                     )
                     self.method.before_step(ctx)
+                    window.begin_step(ctx.step + 1, opt.param_groups[0]["lr"], batch.get("id"))
                 terms, loss = self._micro(batch, ctx, self._forward, ds.transform)
-                if self._nonfinite(loss, terms, batch, ctx):
-                    skip_step = True  # no backward; the whole optimizer step is skipped
-                else:
-                    last = micro + 1 == cfg.grad_accum and not skip_step
-                    self._reducer.prepare(self._params(), last)
-                    acc.backward(loss / cfg.grad_accum)
-                    window.add_micro(terms, ctx.metrics, cfg.grad_accum, batch)
+                self._reducer.prepare(params, micro + 1 == cfg.grad_accum)
+                self._backward(loss)
+                window.add_micro(terms, ctx.metrics, batch)
+                if skip_mode:
+                    losses.append(loss)
                 ctx.metrics = {}
                 micro += 1
                 if micro < cfg.grad_accum:
                     continue
                 micro = 0
-                params = self._params()
                 gnorm = None
-                lr = opt.param_groups[0]["lr"]
                 overflow = False
-                if not skip_step:
+                skip_step = skip_mode and not self._step_finite(losses)
+                if skip_step:  # the backward ran (its read came after it): drop its gradients
+                    self._reducer.finish(params)
+                    rec = window.current
+                    n = cfg.grad_accum
+                    bad = {k: sum(float(d[k]) for d in rec.terms) / n for k in rec.terms[0]}
+                    self._nonfinite(bad, rec, ctx)
+                    window.skip_step(bad)
+                else:
                     clip = torch.nn.utils.clip_grad_norm_
                     gnorm = self._update(ctx, opt, params, clip, self._reducer.finish, acc.scaler)
-                    overflow = bool(getattr(opt, "step_was_skipped", False))  # fp16 inf/NaN
+                    overflow = acc.scaler is not None and bool(opt.step_was_skipped)  # fp16
+                losses = []
                 sched.step()
-                opt.zero_grad(set_to_none=True)
+                inner.zero_grad(set_to_none=True)
                 ctx.step += 1
                 ctx.global_step += 1
-                if skip_step:
-                    skip_step = False
-                    window.skipped += 1
-                    window.skipped_terms = {k: float(v.detach()) for k, v in terms.items()}
-                else:
+                if not skip_step:
                     if not overflow:  # the scaler skipped the update: nothing moved
                         self.method.after_step(ctx)
                     window.add_step(gnorm)
@@ -495,7 +514,7 @@ class Trainer(RunFolder, NonFiniteGuards):
                     count_step = False
                 ckpt = bool(cfg.checkpoint_every) and ctx.step % cfg.checkpoint_every == 0
                 if ctx.step % cfg.log_every == 0 or ctx.step >= total or ckpt:
-                    self._flush_log(window, ctx, epoch, lr, bar)
+                    self._flush_log(window, ctx, epoch, bar)
                 if ctx.step >= total:
                     done = True
                     break
@@ -518,18 +537,22 @@ class Trainer(RunFolder, NonFiniteGuards):
                 ctx.buffer.update(name, ctx.task_entries, ctx)
         self._finish_task(ti, ctx, [])
 
-    def _flush_log(
-        self, window: LogWindow, ctx: TaskContext, epoch: int, lr: float, bar: Any
-    ) -> None:
+    def _flush_log(self, window: LogWindow, ctx: TaskContext, epoch: int, bar: Any) -> None:
         """Reduce the window across ranks (one all_reduce per line) and log it.
 
-        Steps skipped for a non-finite loss (`--skip-nonfinite`) are not in the means; the
-        line counts them as `nonfinite_skipped` (a line of skipped steps only shows the last
-        one's non-finite terms).
+        This is where a step with a NaN/Inf loss is found without `--skip-nonfinite` (each
+        step's terms come back with the line's): the run stops there, naming that step, before
+        the line or any checkpoint is written. Steps skipped for a non-finite loss
+        (`--skip-nonfinite`) are not in the means; the line counts them as
+        `nonfinite_skipped` (a line of skipped steps only shows the last one's terms).
         """
         n, skipped, dt = window.steps, window.skipped, window.seconds()
         bad_terms = window.skipped_terms
-        vals = window.reduce()
+        lr = window.lr
+        vals, per_step = window.reduce()
+        hit = first_nonfinite(per_step)
+        if hit is not None:
+            self._nonfinite(hit[1], hit[0], ctx)  # past the allowance (0 here): stops
         terms = {k[2:]: v for k, v in vals.items() if k.startswith("t:")}
         if n == 0 and skipped:  # a line of skipped steps only: show the values that failed
             terms = bad_terms

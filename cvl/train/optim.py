@@ -20,6 +20,22 @@ def task_lr(cfg: Any, task: str | None) -> float:
     return float(per.get(task, cfg.lr)) if task is not None else float(cfg.lr)
 
 
+def adamw_impl(cfg: Any, device: torch.device) -> str:
+    """Which AdamW implementation trains on `device`: "fused" (`--fused-adamw`; by default on
+    CUDA, torch's recommendation there: one kernel per update) or "default" (torch's choice
+    without it: for-each on a GPU, for-loop on the CPU, which keeps CPU runs bit-identical to
+    earlier cvl versions); "lamb" for LAMB. fp16 keeps the default: its loss scaler would
+    skip an overflowed step inside the fused kernel, where the loop cannot see it (and must
+    not run the method's `after_step`)."""
+    if getattr(cfg, "optimizer", "adamw") == "lamb":
+        return "lamb"
+    choice = getattr(cfg, "fused_adamw", None)
+    if choice is None:
+        choice = device.type == "cuda" and getattr(cfg, "precision", "no") != "fp16"
+    fused = bool(choice)
+    return "fused" if fused else "default"
+
+
 def optimizer_with_schedule(
     params: list,
     cfg: Any,
@@ -30,8 +46,9 @@ def optimizer_with_schedule(
     """The training optimizer + its learning-rate schedule: AdamW, or (`optimizer: lamb`)
     LAMB (You et al. 2020; timm's, with no clipping of its own: `grad_clip` does that), no
     weight decay on gains, biases and scales (LAMB's trust ratio only where weights decay, as
-    NVLAMB). The peak rate is `task_lr(cfg, task)`; `lr_lambda`: its multiplier at each step
-    of the task (`cvl.train.schedules.lr_multiplier`); default: warm-up + cosine over `steps`."""
+    NVLAMB); AdamW fused where `adamw_impl` says so. The peak rate is `task_lr(cfg, task)`;
+    `lr_lambda`: its multiplier at each step of the task (`cvl.train.schedules.lr_multiplier`);
+    default: warm-up + cosine over `steps`."""
     lr = task_lr(cfg, task)
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
@@ -46,7 +63,9 @@ def optimizer_with_schedule(
 
             opt = Lamb(groups, lr=lr, betas=betas, eps=cfg.eps, max_grad_norm=None)
         else:
-            opt = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=cfg.eps)
+            dev = params[0].device if params else torch.device("cpu")
+            fused = True if adamw_impl(cfg, dev) == "fused" else None
+            opt = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=cfg.eps, fused=fused)
     except ValueError as e:
         raise CvlError(
             f"the optimizer refuses the settings ({e}): check --lr, --weight-decay and the "

@@ -25,7 +25,7 @@ from cvl.streams.manifest import Manifest
 from cvl.train.checkpoint import load_state, load_torch, save_state, save_torch
 from cvl.train.config import config_diff
 from cvl.train.cost import summarize_run
-from cvl.train.optim import optimizer_with_schedule
+from cvl.train.optim import adamw_impl, optimizer_with_schedule
 from cvl.train.schedules import schedule_record
 
 LAST = "last"
@@ -94,6 +94,7 @@ class RunFolder:
             "device": str(self.acc.device),
             "deterministic": self.deterministic,
             "deterministic_source": "default" if self.cfg.deterministic is None else "option",
+            "optimizer_impl": adamw_impl(self.cfg, self.acc.device),
         }
 
     def _note_runtime_change(self, old: dict[str, Any]) -> None:

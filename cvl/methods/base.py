@@ -385,6 +385,29 @@ def base_loss(
     return terms
 
 
+def class_ce_space(cfg: Any, manifest: Any, task: str) -> tuple[dict[str, Any], Any]:
+    """`--base-loss class-ce`'s arguments and task `task`'s label space (`cvl.classtext`):
+    one line when the task lists no classes or lacks the template asked for. The loss and
+    the check before a run starts (`check_base_loss`) both go through here."""
+    from cvl.classtext import task_label_space
+
+    a = resolve_base_loss_args("class-ce", getattr(cfg, "base_loss_args", None) or {})
+    space = task_label_space(manifest, task)
+    if not 0 <= a["template"] < len(space.templates):
+        raise CvlError(
+            f"--base-loss-arg template={a['template']}: task '{task}' has "
+            f"{len(space.templates)} template(s)"
+        )
+    return a, space
+
+
+def check_base_loss(cfg: Any, manifest: Any, tasks: list[str]) -> None:
+    """Before anything is written: `--base-loss` fits every task the run trains."""
+    if cfg.base_loss == "class-ce":
+        for task in tasks:
+            class_ce_space(cfg, manifest, task)
+
+
 def base_terms(
     batch: dict[str, Any], out: dict[str, torch.Tensor], ctx: TaskContext
 ) -> dict[str, torch.Tensor]:
@@ -401,15 +424,9 @@ def base_terms(
     cfg = getattr(ctx, "config", None)  # (unit tests pass bare contexts)
     if getattr(cfg, "base_loss", "itc") != "class-ce":
         return {"itc": clip_loss(out["image_features"], out["text_features"], out["logit_scale"])}
-    from cvl.classtext import class_text_features, task_label_space
+    from cvl.classtext import class_text_features
 
-    a = resolve_base_loss_args("class-ce", getattr(cfg, "base_loss_args", None) or {})
-    space = task_label_space(ctx.manifest, ctx.task_name)
-    if not 0 <= a["template"] < len(space.templates):
-        raise CvlError(
-            f"--base-loss-arg template={a['template']}: task '{ctx.task_name}' has "
-            f"{len(space.templates)} template(s)"
-        )
+    a, space = class_ce_space(cfg, ctx.manifest, ctx.task_name)
     image = out["image_features"]
     w = class_text_features(ctx.model, space, a["template"])
     labels = space.labels(batch["category"], image.device)

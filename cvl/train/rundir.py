@@ -139,7 +139,17 @@ class RunFolder:
         rj = self.out / RUN_JSON
         self._history: list[dict[str, Any]] = []
         self._committed = False
-        if rj.is_file():
+        # a folder that never trained a step (refused or failed before its first checkpoint)
+        # holds nothing to keep: a corrected command starts it again, not "another config"
+        restart = rj.is_file() and self._never_trained()
+        self.acc.wait_for_everyone()  # every rank has looked before rank 0 clears it
+        if restart and self.acc.is_main_process:
+            if config_diff(read_json(rj).get("config", {}), cfg.to_json()):
+                self.acc.print(f"note: {self.out} never trained a step: starting it again")
+            for sub in ("init", "logs"):
+                shutil.rmtree(self.out / sub, ignore_errors=True)
+            rj.unlink()
+        if rj.is_file() and not restart:
             old = read_json(rj)
             diff = config_diff(old.get("config", {}), cfg.to_json())
             if old.get("stream", {}).get("fingerprint") != self.manifest.fingerprint:
@@ -161,7 +171,8 @@ class RunFolder:
 
                 self._init_model = plain_copy(self.model).cpu()
         else:
-            if self.out.exists() and (not self.out.is_dir() or any(self.out.iterdir())):
+            busy = self.out.exists() and (not self.out.is_dir() or any(self.out.iterdir()))
+            if busy and not restart:
                 raise CvlError(
                     f"{self.out} exists and is not a cvl run folder; choose another --out"
                 )
@@ -170,6 +181,13 @@ class RunFolder:
         if not self.resumed:
             self._commit_run_json()  # a new run: run.json and init/ now
         self.acc.wait_for_everyone()
+
+    def _never_trained(self) -> bool:
+        """Whether the run folder holds nothing trained: no finished task, no mid-task
+        checkpoint (`last/`; a kill inside its swap leaves `.last.old-*`, restored by then)."""
+        from cvl.runs import finished_tasks
+
+        return not finished_tasks(self.out) and not (self.out / LAST).exists()
 
     def _commit_run_json(self) -> None:
         """Write run.json (config, --force changes, runtime) and a missing init/, once.

@@ -239,3 +239,32 @@ def test_the_same_tensors_give_the_same_checkpoint_bytes(tmp_path):
     (n,) = struct.unpack("<Q", raw[:8])
     meta = json.loads(raw[8 : 8 + n])["__metadata__"]
     assert list(meta) == sorted(meta) and meta["cvl_kind"] == "clip"
+
+
+def test_long_work_prints_a_progress_line_at_a_bounded_rate_without_a_terminal(monkeypatch, capsys):
+    """Without a terminal (capsys: make, CI, `| tee`) a bar printed nothing at all, so an
+    11-minute evaluation said nothing. Now: plain lines (no carriage returns), none for
+    work shorter than the interval, then at most one per interval (30 s; 0.05 s here),
+    a new loss (set_postfix) waiting for the next one."""
+    import time
+
+    import cvl.progress as progress
+
+    monkeypatch.setattr(progress, "LOG_EVERY_S", 0.05)
+    for _ in progress.progress_bar(range(5), desc="short"):
+        pass
+    assert capsys.readouterr().err == ""
+    t0 = time.monotonic()
+    bar = progress.progress_bar(total=12, desc="task 1/3 t0", unit="step", dynamic_ncols=True)
+    for _ in range(12):
+        time.sleep(0.02)
+        bar.update(1)
+        bar.set_postfix(loss="0.5")
+    bar.close()
+    elapsed = time.monotonic() - t0
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert "\r" not in err and err.endswith("\n")
+    assert 2 <= len(lines) <= elapsed / 0.05 + 2, lines
+    assert all(x.startswith("task 1/3 t0: ") for x in lines)
+    assert "12/12" in lines[-1] and "loss=0.5" in lines[-1]

@@ -268,3 +268,52 @@ def test_long_work_prints_a_progress_line_at_a_bounded_rate_without_a_terminal(m
     assert 2 <= len(lines) <= elapsed / 0.05 + 2, lines
     assert all(x.startswith("task 1/3 t0: ") for x in lines)
     assert "12/12" in lines[-1] and "loss=0.5" in lines[-1]
+
+
+def test_joint_variants_are_told_apart_in_tables():
+    """The comparison table and the report called plain joint training, TiC-CLIP's
+    Cumulative-All and its Oracle all "joint"."""
+    from cvl.evaluation.assemble import method_label
+
+    def label(args: dict, **cfg) -> str:
+        return method_label({"method": "joint", "method_args": args, **cfg}, Path("r"))
+
+    assert label({}) == "joint"
+    assert label({"cumulative": True}) == "joint (cumulative)"
+    assert label({"cumulative": True, "restart": True}) == "joint (Oracle)"
+    assert (
+        label({"cumulative": "true"}, buffer="ring", buffer_size=8) == "joint (cumulative)+ring(8)"
+    )
+
+
+def test_records_count_what_a_task_trained_on_and_eval_says_a_run_is_unfinished(
+    tiny, tmp_path, capsys
+):
+    """task.json: a joint run's one task trained on the 3 × 32 pairs of the union (it said
+    32, its own task's); the buffer before the task (what it replayed) and after. `cvl eval`
+    of a run whose last task has no checkpoint yet says its last checkpoint is not the
+    final model (stderr, metrics.json, summary.md)."""
+    joint = tmp_path / "j"
+    argv = train_argv(tiny, joint, "joint")
+    argv[argv.index("--max-steps-per-task") + 1] = "1"
+    assert main([*argv, "--workers", "0"]) == 0
+    t = json.loads((joint / "tasks" / "02-t2" / "task.json").read_text())
+    assert (t["train_items"], t["buffer_items_before"], t["buffer_items"]) == (96, 0, 0)
+    run = tmp_path / "r"
+    argv = train_argv(tiny, run, "seqft")
+    argv[argv.index("--max-steps-per-task") + 1] = "1"
+    assert main([*argv, "--workers", "0", "--buffer", "reservoir", "--buffer-size", "8"]) == 0
+    counts = [json.loads((run / "tasks" / d / "task.json").read_text()) for d in ("00-t0", "01-t1")]
+    assert [(c["train_items"], c["buffer_items_before"], c["buffer_items"]) for c in counts] == [
+        (32, 0, 8),
+        (32, 8, 8),
+    ]
+    shutil.rmtree(run / "tasks" / "02-t2")  # as if stopped (or still training) in task 3
+    capsys.readouterr()
+    fast = ["--no-zeroshot", "--no-probe", "--no-plots", "--no-cumulative", "--device", "cpu"]
+    assert main(["eval", "--run", str(run), "--quiet", *fast]) == 0
+    err = capsys.readouterr().err
+    says = "its last checkpoint, 01-t1, is not the final model (that of task 02-t2)"
+    assert f"warning: {run} is not finished" in err and says in err
+    assert says in json.loads((run / "eval" / "metrics.json").read_text())["unfinished"]
+    assert "**not the final model**" in (run / "eval" / "summary.md").read_text()

@@ -208,6 +208,12 @@ class Method:
                 out[k] = rule.check(out[k], f"method '{cls.name}': {k}")
         return out
 
+    @classmethod
+    def variant(cls, args: dict[str, Any]) -> str | None:
+        """What tables call a run of this method with resolved arguments `args` when they
+        make it another protocol (joint's Oracle); None: the method's plain form."""
+        return None
+
     def check_choice(self, key: str, choices: tuple[str, ...]) -> None:
         """A clear error unless argument `key` is one of `choices`."""
         if self.args[key] not in choices:

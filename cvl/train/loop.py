@@ -377,6 +377,10 @@ class Trainer(RunFolder, NonFiniteGuards):
         self._keeper: BestKeeper | None = None
         self.cost.begin_task(pos.get("cost") if pos else None)
         self._budget_rec: dict | None = None
+        # task.json's counts: the items of its own it trains on (joint: the union of the
+        # tasks), the buffer's before this task adds to it (the replayed ones) and after
+        buffered = len(ctx.buffer) if ctx.buffer is not None else 0
+        self._items = {"train_items": 0, "buffer_items_before": buffered}
         if not self.method.trains:
             self._no_step = f"method {cfg.method} does not train"
             self._finish_task(ti, ctx, [])
@@ -389,6 +393,7 @@ class Trainer(RunFolder, NonFiniteGuards):
         wants = cfg.select == "auto" and getattr(self.method, "selects_best_val", False)
         if wants and sel is None and acc.is_main_process:
             acc.print(f"note: no 'val' pairs for task {name}: {cfg.method} keeps the last weights")
+        self._items["train_items"] = len(self.method.own_entries(ctx))
         gb = cfg.batch_size * acc.num_processes
         seed_task = sample_seed(cfg.seed, ti)
         data = self._task_data = task_data(self.method, self.mixture, ctx, gb, seed_task)

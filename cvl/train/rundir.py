@@ -470,7 +470,7 @@ class RunFolder:
                         "task": ctx.task_name,
                         "index": ti,
                         "steps": ctx.step,
-                        "train_items": len(ctx.task_entries),
+                        **getattr(self, "_items", {}),
                         "buffer_items": len(ctx.buffer) if ctx.buffer is not None else 0,
                         **self._mixture_record(),
                         "trainable_params": self.tuning.trainable,

@@ -158,13 +158,21 @@ REFUSED_FROM_THE_STREAM = [  # (extra arguments, what the line says)
     (["--lr-schedule", "rsqrt", "--warmup", "1", "--cooldown", "9"], "a cool-down of 9 steps is"),
     # FoMo's cosine reaches the floor at a task's last step: a 1-step task trains at 0
     (["--lr-schedule", "cosine-fomo", "--max-steps-per-task", "1"], "all its 1 step(s) at a lea"),
+    # a method's own setup (here iCaRL's buffer rule) runs before run.json and init/ are written
+    (["--method", "icarl", "--buffer", "reservoir", "--buffer-size", "8"], "by herding: use --bu"),
 ]
 
 
 @pytest.mark.parametrize(
     "extra, says",
     REFUSED_FROM_THE_STREAM,
-    ids=["class-ce-no-classes", "class-ce-template", "rsqrt-cooldown", "cosine-fomo-1-step"],
+    ids=[
+        "class-ce-no-classes",
+        "class-ce-template",
+        "rsqrt-cooldown",
+        "cosine-fomo-1-step",
+        "setup",
+    ],
 )
 def test_settings_the_stream_refuses_are_refused_before_the_run_folder_exists(
     tiny, tmp_path, capsys, extra, says

@@ -283,6 +283,9 @@ class Trainer(RunFolder, NonFiniteGuards):
             services=self,
         )
         self.method.setup(ctx)
+        if not self.resumed:  # a new run: run.json and init/ once the setup has passed
+            self._commit_run_json()
+            acc.wait_for_everyone()
         single = getattr(self.method, "single_task", False)
         indices = [len(self.order) - 1] if single else list(range(len(self.order)))
         self.indices = indices

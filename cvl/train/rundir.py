@@ -178,9 +178,12 @@ class RunFolder:
                 )
             self.resumed = False
         self.acc.wait_for_everyone()  # every rank has checked the folder before rank 0 writes
-        if not self.resumed:
-            self._commit_run_json()  # a new run: run.json and init/ now
-        self.acc.wait_for_everyone()
+        if not self.resumed and self.acc.is_main_process:
+            from cvl.models.tune import plain_copy
+
+            # a new run writes run.json and init/ (these weights) once the method's setup has
+            # passed too (`_run`): a refused setup leaves no run folder behind
+            self._init_model = plain_copy(self.model).cpu()
 
     def _never_trained(self) -> bool:
         """Whether the run folder holds nothing trained: no finished task, no mid-task
@@ -192,7 +195,9 @@ class RunFolder:
     def _commit_run_json(self) -> None:
         """Write run.json (config, --force changes, runtime) and a missing init/, once.
 
-        A new run writes them at its start. A resumed run writes them only once everything
+        A new run writes them at its start, once the method's setup has passed (everything
+        the command line, the stream and the method can refuse is refused before a run
+        folder exists). A resumed run writes them only once everything
         the resume needs has been loaded (the last finished task's method state; last/'s
         weights, optimizer, method state and best-val keeper: the loop calls this before the
         first step it trains), as checkpoints are built aside and swapped in:
@@ -216,6 +221,7 @@ class RunFolder:
         if not (self.out / "init" / MODEL_FILE).is_file():
             with atomic_dir(self.out / "init", overwrite=True, retry="run") as tmp:
                 save_weights(getattr(self, "_init_model", None) or self.model, tmp / MODEL_FILE)
+        self._init_model = None  # written: the copy is not needed any more
 
     def _lock_run_dir(self) -> None:
         """Hold RUN's lock for the whole run (rank 0; every rank learns the outcome), then

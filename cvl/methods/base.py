@@ -118,11 +118,16 @@ class TaskContext:
         return self.services.previous_model(self) if self.task_index > 0 else None
 
     def initial_model(self) -> nn.Module:
-        """A frozen copy of the run's initial weights (`RUN/init/`, where task 0 started)."""
+        """A frozen copy of the run's initial weights (`RUN/init/`, where task 0 started). A
+        new run writes init/ once the method's setup has passed: during that setup the model
+        still holds them, and is copied."""
         from cvl.models import load_weights
         from cvl.runs import MODEL_FILE
 
         m = frozen_copy(self.model)
+        s = self.services
+        if s is not None and not getattr(s, "resumed", True) and not getattr(s, "_committed", 1):
+            return m
         load_weights(m, Path(self.run_dir) / "init" / MODEL_FILE)
         return m
 

@@ -146,7 +146,7 @@ def assert_equivalent(l1, l2, w1, w2, keys=("loss",)):
         for k in keys:
             assert abs(a[k] - b[k]) <= 1e-5, (k, a, b)
     for k in w1:
-        assert torch.allclose(w1[k], w2[k], atol=1e-5), k
+        assert torch.allclose(w1[k], w2[k], atol=1e-5), (k, float((w1[k] - w2[k]).abs().max()))
 
 
 @pytest.mark.slow

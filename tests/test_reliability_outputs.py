@@ -387,7 +387,8 @@ def test_a_run_has_one_colour_in_every_plot_of_a_comparison(tmp_path, monkeypatc
 
 def test_progress_bars_stay_off_when_the_output_is_not_a_terminal(tiny, tmp_path, capsys):
     """Under make, CI or `| tee` a redrawn bar becomes one line per update: without a
-    terminal (capsys is none) no bar is drawn, by any command, even without --quiet."""
+    terminal (capsys is none) no bar is redrawn, by any command, even without --quiet (work
+    this short prints no progress line either: test_reliability_runs.py)."""
     argv = [a for a in _argv(tiny, tmp_path / "r") if a != "--quiet"]
     capsys.readouterr()
     assert main(argv) == 0

@@ -50,7 +50,8 @@ def test_joint_and_cumulative(synth_stream, tmp_path):
     _train(synth_stream, tmp_path / "j", method="joint")
     done = finished_tasks(tmp_path / "j")
     assert [c.index for c in done] == [2]
-    assert json.loads((done[0].path / "task.json").read_text())["train_items"] == 96
+    # the items it trained on: the union of the three tasks' 96 (not the last task's own)
+    assert json.loads((done[0].path / "task.json").read_text())["train_items"] == 3 * 96
     steps = len((done[0].path / "train_log.jsonl").read_text().splitlines())
     assert steps == 3 * 96 // 16  # trained on the union of the three tasks
     _train(synth_stream, tmp_path / "c", method="joint", method_args={"cumulative": True})

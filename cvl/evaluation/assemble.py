@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from cvl import __version__
+from cvl.errors import CvlError
 from cvl.evaluation import continual, mtil
 from cvl.evaluation.checkpoint import Checkpoint, pairs_set, zs_templates_note
 from cvl.evaluation.fomo import fomo_summary
@@ -194,11 +195,20 @@ def benchmark_tables(
 
 
 def method_label(cfg: dict[str, Any], run: Path) -> str:
-    """A short name for tables: method (+buffer), else the run folder's name."""
+    """A short name for tables: method (+ the variant its arguments make, e.g. "joint
+    (Oracle)", + buffer), else the run folder's name."""
+    from cvl.methods.registry import get_method
+
     m = cfg.get("method")
     if not m:
         return run.name
+    try:
+        cls = get_method(str(m))
+        v = cls.variant(cls.resolve_args(cfg.get("method_args") or {}))
+    except CvlError:  # a method this version does not have, or no longer its arguments
+        v = None
+    name = f"{m} ({v})" if v else str(m)
     b = cfg.get("buffer")
     if not b:
-        return str(m)
-    return f"{m}+{b}({cfg['buffer_size']})" if cfg.get("buffer_size") else f"{m}+{b}"
+        return name
+    return f"{name}+{b}({cfg['buffer_size']})" if cfg.get("buffer_size") else f"{name}+{b}"

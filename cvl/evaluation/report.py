@@ -274,6 +274,7 @@ def render_markdown(m: dict[str, Any], full: bool = True) -> str:
             f"{len(m['rows'])} task checkpoint(s){' + initial weights' if m.get('has_init') else ''}; "
             f"test set `{p['test_set']}`. Values in percent.",
             "",
+            *([f"- **not the final model**: {m['unfinished']}"] if m.get("unfinished") else []),
             f"- retrieval: {p['retrieval_rule']}; ties {p['ties']}",
             "- Rm = mean of TR@1/5/10 and IR@1/5/10 (CTP); R@mean = mean of R@1/5/10 per direction (DHA)",
             f"- mAP feature: {p['map_feature']}",

@@ -139,6 +139,24 @@ def stream_warnings(run_d: dict[str, Any], manifest: Any) -> list[str]:
     return []
 
 
+def unfinished_note(run: Path, run_d: dict[str, Any]) -> str | None:
+    """Why the run's last checkpoint is not its final model: the stream's last task, which
+    every run trains last (a joint run: only), has no checkpoint yet (still training, or
+    stopped); None for a finished run."""
+    from cvl.runs import finished_tasks
+
+    order = list((run_d.get("stream") or {}).get("task_order") or [])
+    done = finished_tasks(run)
+    if not order or not done or any(c.index == len(order) - 1 for c in done):
+        return None
+    last = f"{done[-1].index:02d}-{done[-1].name}"
+    return (
+        f"{run} is not finished (it is still training, or stopped): its last checkpoint, "
+        f"{last}, is not the final model (that of task {len(order) - 1:02d}-{order[-1]}); "
+        f"the final-model metrics are {last}'s"
+    )
+
+
 def checkpoints(run: Path) -> list[Checkpoint]:
     """The init checkpoint (when saved) and every finished task, in training order."""
     out = []
@@ -277,6 +295,9 @@ def evaluate_run(
     if main:
         for line in stream_warnings(run_d, manifest):
             print(f"warning: {line}", file=sys.stderr)
+    unfinished = unfinished_note(run, run_d)
+    if unfinished and main:
+        print(f"warning: {unfinished}", file=sys.stderr)
     columns = _columns(run_d, manifest)
     cks = [c for c in checkpoints(run) if opts.init or c.index >= 0]
     todo = select(cks, opts.tasks, opts.init)
@@ -341,6 +362,8 @@ def evaluate_run(
     bar.close()
     metrics = build_metrics(run, run_d, stream_path, manifest, columns, cks, results, opts)
     metrics["evaluated"], metrics["reused_from_cache"] = evaluated, reused
+    if unfinished:
+        metrics["unfinished"] = unfinished
     # what differs from one invocation to the next (a resumed evaluation gives the same rest)
     metrics["timing"] = {
         "seconds": {lab: results[lab].get("seconds") for lab in evaluated},

@@ -119,11 +119,16 @@ class TaskContext:
         return self.services.previous_model(self) if self.task_index > 0 else None
 
     def initial_model(self) -> nn.Module:
-        """A frozen copy of the run's initial weights (`RUN/init/`, where task 0 started)."""
+        """A frozen copy of the run's initial weights (`RUN/init/`, where task 0 started). A
+        new run writes init/ once the method's setup has passed: during that setup the model
+        still holds them, and is copied."""
         from cvl.models import load_weights
         from cvl.runs import MODEL_FILE
 
         m = frozen_copy(self.model)
+        s = self.services
+        if s is not None and not getattr(s, "resumed", True) and not getattr(s, "_committed", 1):
+            return m
         load_weights(m, Path(self.run_dir) / "init" / MODEL_FILE)
         return m
 
@@ -212,6 +217,12 @@ class Method:
             if k in out:  # a subclass may drop an argument of the class it extends
                 out[k] = rule.check(out[k], f"method '{cls.name}': {k}")
         return out
+
+    @classmethod
+    def variant(cls, args: dict[str, Any]) -> str | None:
+        """What tables call a run of this method with resolved arguments `args` when they
+        make it another protocol (joint's Oracle); None: the method's plain form."""
+        return None
 
     def check_choice(self, key: str, choices: tuple[str, ...]) -> None:
         """A clear error unless argument `key` is one of `choices`."""
@@ -399,6 +410,29 @@ def base_loss(
     return terms
 
 
+def class_ce_space(cfg: Any, manifest: Any, task: str) -> tuple[dict[str, Any], Any]:
+    """`--base-loss class-ce`'s arguments and task `task`'s label space (`cvl.classtext`):
+    one line when the task lists no classes or lacks the template asked for. The loss and
+    the check before a run starts (`check_base_loss`) both go through here."""
+    from cvl.classtext import task_label_space
+
+    a = resolve_base_loss_args("class-ce", getattr(cfg, "base_loss_args", None) or {})
+    space = task_label_space(manifest, task)
+    if not 0 <= a["template"] < len(space.templates):
+        raise CvlError(
+            f"--base-loss-arg template={a['template']}: task '{task}' has "
+            f"{len(space.templates)} template(s)"
+        )
+    return a, space
+
+
+def check_base_loss(cfg: Any, manifest: Any, tasks: list[str]) -> None:
+    """Before anything is written: `--base-loss` fits every task the run trains."""
+    if cfg.base_loss == "class-ce":
+        for task in tasks:
+            class_ce_space(cfg, manifest, task)
+
+
 def base_terms(
     batch: dict[str, Any], out: dict[str, torch.Tensor], ctx: TaskContext
 ) -> dict[str, torch.Tensor]:
@@ -415,15 +449,9 @@ def base_terms(
     cfg = getattr(ctx, "config", None)  # (unit tests pass bare contexts)
     if getattr(cfg, "base_loss", "itc") != "class-ce":
         return {"itc": clip_loss(out["image_features"], out["text_features"], out["logit_scale"])}
-    from cvl.classtext import class_text_features, task_label_space
+    from cvl.classtext import class_text_features
 
-    a = resolve_base_loss_args("class-ce", getattr(cfg, "base_loss_args", None) or {})
-    space = task_label_space(ctx.manifest, ctx.task_name)
-    if not 0 <= a["template"] < len(space.templates):
-        raise CvlError(
-            f"--base-loss-arg template={a['template']}: task '{ctx.task_name}' has "
-            f"{len(space.templates)} template(s)"
-        )
+    a, space = class_ce_space(cfg, ctx.manifest, ctx.task_name)
     image = out["image_features"]
     w = class_text_features(ctx.model, space, a["template"])
     labels = space.labels(batch["category"], image.device)

@@ -40,6 +40,13 @@ class Joint(Method):
                 "from the initial weights; plain joint already trains once from them)"
             )
 
+    @classmethod
+    def variant(cls, args: dict) -> str | None:
+        """TiC-CLIP's names: the Oracle (restart), Cumulative-All (cumulative)."""
+        if args.get("restart"):
+            return "Oracle"
+        return "cumulative" if args.get("cumulative") else None
+
     @property
     def single_task(self) -> bool:
         return not self.args["cumulative"]

@@ -38,12 +38,35 @@ def save_weights(model: VLModel, path: str | os.PathLike) -> None:
             save_file({k: v.cpu() for k, v in sd.items()}, tmp, metadata={**dropped, **meta})
         else:
             save_model(model, tmp, metadata=meta)
+        canonical_header(tmp)  # sorted metadata: the same tensors give the same bytes
         honour_umask(tmp)  # safetensors writes 0600 whatever the umask
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def canonical_header(path: str | os.PathLike) -> None:
+    """Rewrite a safetensors file's JSON header with its keys sorted, in place.
+
+    safetensors keeps `__metadata__` in a Rust HashMap whose order changes from one map to
+    the next, so the same tensors and metadata gave other bytes on every save; sorted, the
+    same tensors give the same bytes (checksums and the evaluation's same-bytes reuse hold).
+    The header is padded with spaces to its old length (the same keys and values, only
+    reordered, never take more room), so the tensor data is not rewritten."""
+    import json
+    import struct
+
+    with open(path, "r+b") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        text = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        raw = text.encode("utf-8")
+        if len(raw) > n:  # never for a file safetensors wrote (same content, compact)
+            raise ValueError(f"{path}: sorted safetensors header is longer than the original")
+        f.seek(8)
+        f.write(raw + b" " * (n - len(raw)))
 
 
 def load_weights(model: VLModel, path: str | os.PathLike) -> None:

@@ -46,12 +46,15 @@ def _join(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
 
 
 def save_state(folder: str | os.PathLike, name: str, state: dict[str, Any]) -> None:
-    """Write `folder/name.safetensors` + `folder/name.json`."""
+    """Write `folder/name.safetensors` + `folder/name.json` (the same state, the same bytes)."""
+    from cvl.models.weights import canonical_header
+
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     skeleton = _split(state, "", tensors)
     save_file(tensors, str(folder / f"{name}.safetensors"))
+    canonical_header(folder / f"{name}.safetensors")
     write_json(folder / f"{name}.json", skeleton)
 
 

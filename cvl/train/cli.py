@@ -172,7 +172,7 @@ _OPTS = [
     default=0.1,
     show_default=True,
     help="rsqrt schedules: linear cool-down to 0 at each task's end, fraction of its steps (<1) "
-    "or steps (>=1).",
+    "or steps (>=1; more than a task has is refused).",
 )
 @click.option(
     "--grad-clip",

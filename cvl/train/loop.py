@@ -44,7 +44,7 @@ from cvl.data.transforms import image_transform
 from cvl.device import drop_optimizers, nondeterministic_ops_stop
 from cvl.dist import GradReducer
 from cvl.errors import CvlError
-from cvl.methods.base import Method, TaskContext, frozen_copy
+from cvl.methods.base import Method, TaskContext, check_base_loss, frozen_copy
 from cvl.methods.registry import get_method
 from cvl.progress import progress_bar
 from cvl.runs import MODEL_FILE, task_dir
@@ -64,7 +64,12 @@ from cvl.train.plan import (
     plan_steps,
 )
 from cvl.train.rundir import LAST, RunFolder
-from cvl.train.schedules import lr_multiplier, task_position
+from cvl.train.schedules import (
+    check_planned_rates,
+    check_task_rates,
+    lr_multiplier,
+    task_position,
+)
 from cvl.train.selection import BestKeeper, selection_set, val_score
 
 
@@ -105,6 +110,9 @@ class Trainer(RunFolder, NonFiniteGuards):
                 "--grad-checkpointing and --grad-accum (docs/scaling.md)"
             )
         self.manifest: Manifest = load_manifest(cfg.stream)
+        # set before anything reads them: run.json's stream plan indexes the tasks' entries
+        self._entries: dict[str, Entries] = {}
+        self._prev_cache: tuple[int, Any] | None = None
         self.mixture = build_mixture(cfg)  # --mixture: each batch's shares (cvl.data.mixture)
         unknown = sorted(set(cfg.task_lr) - set(self.manifest.tasks))
         if unknown:
@@ -132,6 +140,13 @@ class Trainer(RunFolder, NonFiniteGuards):
             raise CvlError(f"method '{cfg.method}' needs --tune {' or '.join(tunes)}")
         # settings that leave a task without a step: refused before anything is written
         self._plans = check_run(cfg, self.manifest, self.method, self.acc.num_processes)
+        order = list(self.manifest.task_order)
+        single = getattr(self.method, "single_task", False)
+        trained = order[-1:] if single else order
+        check_base_loss(cfg, self.manifest, trained)
+        restarts = bool(getattr(self.method, "restarts", False))
+        planned = [p.steps if (p := self._plans.get(t)) else None for t in trained]
+        check_planned_rates(cfg, planned, trained, restarts)
         self._lock_run_dir()
         try:
             self._prepare_run_dir(force)
@@ -145,23 +160,25 @@ class Trainer(RunFolder, NonFiniteGuards):
             self.workers = default_workers(local)
         # the training forward; methods' extra passes (old models, sub-encoders) stay eager
         self._forward = torch.compile(self.model) if cfg.compile else self.model
-        self._entries: dict[str, Entries] = {}
-        self._prev_cache: tuple[int, Any] | None = None
         self._reducer = GradReducer()  # gradients averaged over ranks during the backward
 
     # -- setup -------------------------------------------------------------------------------
 
     @staticmethod
     def _trackers(log_with: str) -> list[str] | None:
+        """Accelerate's trackers for --log-with (auto: tensorboard where installed); one
+        named but not installed is one line (Accelerate would only warn and log nothing)."""
+        from importlib.util import find_spec
+
         if log_with == "none":
             return None
         if log_with == "auto":
-            try:
-                import tensorboard  # noqa: F401
-
-                return ["tensorboard"]
-            except ImportError:
-                return None
+            return ["tensorboard"] if find_spec("tensorboard") else None
+        if not find_spec(log_with):
+            raise CvlError(
+                f"--log-with {log_with}: the {log_with} package is not installed (pip install "
+                f"{log_with}); or use --log-with none"
+            )
         return [log_with]
 
     def _tune_seed(self, ti: int) -> int:
@@ -269,13 +286,24 @@ class Trainer(RunFolder, NonFiniteGuards):
             services=self,
         )
         self.method.setup(ctx)
+        if not self.resumed:  # a new run: run.json and init/ once the setup has passed
+            self._commit_run_json()
+            acc.wait_for_everyone()
         single = getattr(self.method, "single_task", False)
         indices = [len(self.order) - 1] if single else list(range(len(self.order)))
         self.indices = indices
         start, pos = self._resume_point(indices, ctx)
         todo = any(ti >= start for ti in indices)  # a finished run writes nothing, not even logs
         if todo and self.acc.is_main_process and self._trackers(cfg.log_with):
-            acc.init_trackers("cvl", config={k: str(v) for k, v in cfg.to_json().items()})
+            try:
+                acc.init_trackers("cvl", config={k: str(v) for k, v in cfg.to_json().items()})
+            except Exception as e:  # noqa: BLE001 (each tracker raises its own: wandb's login)
+                why = " ".join(str(e).split())[:200] or type(e).__name__
+                raise CvlError(
+                    f"--log-with {cfg.log_with}: the tracker did not start ({why}); fix that "
+                    "(for wandb: `wandb login`, or WANDB_MODE=offline) or use --log-with "
+                    "tensorboard or none, and rerun the same command"
+                ) from None
         with nondeterministic_ops_stop(acc.device):  # deterministic mode: name the op, one line
             for ti in indices:
                 if ti < start:
@@ -369,6 +397,10 @@ class Trainer(RunFolder, NonFiniteGuards):
         self._keeper: BestKeeper | None = None
         self.cost.begin_task(pos.get("cost") if pos else None)
         self._budget_rec: dict | None = None
+        # task.json's counts: the items of its own it trains on (joint: the union of the
+        # tasks), the buffer's before this task adds to it (the replayed ones) and after
+        buffered = len(ctx.buffer) if ctx.buffer is not None else 0
+        self._items = {"train_items": 0, "buffer_items_before": buffered}
         if not self.method.trains:
             self._no_step = f"method {cfg.method} does not train"
             self._finish_task(ti, ctx, [])
@@ -381,6 +413,7 @@ class Trainer(RunFolder, NonFiniteGuards):
         wants = cfg.select == "auto" and getattr(self.method, "selects_best_val", False)
         if wants and sel is None and acc.is_main_process:
             acc.print(f"note: no 'val' pairs for task {name}: {cfg.method} keeps the last weights")
+        self._items["train_items"] = len(self.method.own_entries(ctx))
         gb = cfg.batch_size * acc.num_processes
         seed_task = sample_seed(cfg.seed, ti)
         block = int(cfg.shuffle_block or 1)
@@ -404,7 +437,9 @@ class Trainer(RunFolder, NonFiniteGuards):
         elif cfg.compile and self.cost.enabled and not self.cost.has_step:
             measure_step(self, ctx, ds, gb)  # compiled graphs hide their ops: count eagerly
         count_step = self.cost.enabled and not self.cost.has_step
-        ctx.lr_lambda = lr_multiplier(cfg, task_position(self, ti, total))  # --lr-schedule
+        where = task_position(self, ti, total)
+        check_task_rates(cfg, where, name)  # the tasks not checked up front
+        ctx.lr_lambda = lr_multiplier(cfg, where)  # --lr-schedule
         opt, sched = self._optimizer(total, ctx.lr_lambda, name)
         epoch0, batch0 = 0, 0
         if pos is not None:

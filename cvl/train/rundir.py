@@ -150,7 +150,17 @@ class RunFolder:
         rj = self.out / RUN_JSON
         self._history: list[dict[str, Any]] = []
         self._committed = False
-        if rj.is_file():
+        # a folder that never trained a step (refused or failed before its first checkpoint)
+        # holds nothing to keep: a corrected command starts it again, not "another config"
+        restart = rj.is_file() and self._never_trained()
+        self.acc.wait_for_everyone()  # every rank has looked before rank 0 clears it
+        if restart and self.acc.is_main_process:
+            if config_diff(read_json(rj).get("config", {}), cfg.to_json()):
+                self.acc.print(f"note: {self.out} never trained a step: starting it again")
+            for sub in ("init", "logs"):
+                shutil.rmtree(self.out / sub, ignore_errors=True)
+            rj.unlink()
+        if rj.is_file() and not restart:
             old = read_json(rj)
             diff = config_diff(old.get("config", {}), cfg.to_json())
             if old.get("stream", {}).get("fingerprint") != self.manifest.fingerprint:
@@ -172,20 +182,33 @@ class RunFolder:
 
                 self._init_model = plain_copy(self.model).cpu()
         else:
-            if self.out.exists() and (not self.out.is_dir() or any(self.out.iterdir())):
+            busy = self.out.exists() and (not self.out.is_dir() or any(self.out.iterdir()))
+            if busy and not restart:
                 raise CvlError(
                     f"{self.out} exists and is not a cvl run folder; choose another --out"
                 )
             self.resumed = False
         self.acc.wait_for_everyone()  # every rank has checked the folder before rank 0 writes
-        if not self.resumed:
-            self._commit_run_json()  # a new run: run.json and init/ now
-        self.acc.wait_for_everyone()
+        if not self.resumed and self.acc.is_main_process:
+            from cvl.models.tune import plain_copy
+
+            # a new run writes run.json and init/ (these weights) once the method's setup has
+            # passed too (`_run`): a refused setup leaves no run folder behind
+            self._init_model = plain_copy(self.model).cpu()
+
+    def _never_trained(self) -> bool:
+        """Whether the run folder holds nothing trained: no finished task, no mid-task
+        checkpoint (`last/`; a kill inside its swap leaves `.last.old-*`, restored by then)."""
+        from cvl.runs import finished_tasks
+
+        return not finished_tasks(self.out) and not (self.out / LAST).exists()
 
     def _commit_run_json(self) -> None:
         """Write run.json (config, --force changes, runtime) and a missing init/, once.
 
-        A new run writes them at its start. A resumed run writes them only once everything
+        A new run writes them at its start, once the method's setup has passed (everything
+        the command line, the stream and the method can refuse is refused before a run
+        folder exists). A resumed run writes them only once everything
         the resume needs has been loaded (the last finished task's method state; last/'s
         weights, optimizer, method state and best-val keeper: the loop calls this before the
         first step it trains), as checkpoints are built aside and swapped in:
@@ -209,6 +232,7 @@ class RunFolder:
         if not (self.out / "init" / MODEL_FILE).is_file():
             with atomic_dir(self.out / "init", overwrite=True, retry="run") as tmp:
                 save_weights(getattr(self, "_init_model", None) or self.model, tmp / MODEL_FILE)
+        self._init_model = None  # written: the copy is not needed any more
 
     def _lock_run_dir(self) -> None:
         """Hold RUN's lock for the whole run (rank 0; every rank learns the outcome), then
@@ -472,7 +496,7 @@ class RunFolder:
                         "task": ctx.task_name,
                         "index": ti,
                         "steps": ctx.step,
-                        "train_items": len(ctx.task_entries),
+                        **getattr(self, "_items", {}),
                         "buffer_items": len(ctx.buffer) if ctx.buffer is not None else 0,
                         **self._mixture_record(),
                         "trainable_params": self.tuning.trainable,

@@ -243,6 +243,48 @@ def check_schedule(cfg: Any) -> None:
         raise CvlError(f"--lr-schedule {name} needs a warm-up (--warmup > 0): rsqrt = √(W/n)")
 
 
+def check_task_rates(cfg: Any, pos: TaskPosition, task: str) -> None:
+    """Refuse a schedule that cannot train task `task` as asked: an rsqrt cool-down longer
+    than the task, or no step at a non-zero rate (FoMo's cosines reach the floor at a task's
+    last step, so a one-step task without warm-up, or an `-ar` / `-dyn` peak of 0, trains
+    nothing at --min-lr 0)."""
+    name = getattr(cfg, "lr_schedule", "cosine")
+    S = pos.steps
+    if S <= 0:
+        return
+    if name.startswith("rsqrt"):
+        C = _steps(getattr(cfg, "cooldown", 0.1), S)
+        if C > S:
+            raise CvlError(
+                f"--cooldown {cfg.cooldown:g}: a cool-down of {C} steps is longer than task "
+                f"{task}'s {S} step(s) (--lr-schedule {name}); give a fraction (< 1) of the "
+                "task or fewer steps"
+            )
+    f = lr_multiplier(cfg, pos)
+    if not any(f(n) > 0 for n in range(S)):
+        raise CvlError(
+            f"--lr-schedule {name}: task {task} would train all its {S} step(s) at a learning "
+            "rate of 0 (--min-lr 0); add a warm-up (--warmup), a floor (--min-lr) or steps, "
+            "or use another schedule"
+        )
+
+
+def check_planned_rates(
+    cfg: Any, planned: Sequence[int | None], names: Sequence[str], restarts: bool = False
+) -> None:
+    """`check_task_rates` before the run starts, for the trained tasks whose steps are known
+    (`planned[k]`, None: decided by the loop, which checks it and every later one then);
+    `restarts`: every task starts from the initial weights (`TaskPosition`)."""
+    name = getattr(cfg, "lr_schedule", "cosine")
+    if name in STREAM_LEVEL or getattr(cfg, "budget", None):
+        return  # the plan of the whole stream / the steps a budget buys: the loop's
+    for k, steps in enumerate(planned):
+        if steps is None:
+            return
+        before = tuple(int(n or 0) for n in planned[:k])
+        check_task_rates(cfg, TaskPosition(k, steps, before, restarts=restarts), names[k])
+
+
 # -- the stream plan ---------------------------------------------------------------------------
 def task_steps(per_epoch: int, cfg: Any) -> int:
     """A task's optimizer steps without --budget (`cvl.train.plan.steps_of`)."""

@@ -224,9 +224,10 @@ def test_hostile_ids_stay_inside_the_shard_folder(tmp_path, monkeypatch):
     sink.close_shard()
     assert len(set(keys)) == len(HOSTILE)
     assert all(re.fullmatch(r"[A-Za-z0-9_\-]+", k) for k in keys)
-    files = [p for p in tmp_path.rglob("*") if p.is_file()]
-    assert files == [root / "train/t0/000000.tar"]
-    with tarfile.open(files[0]) as tf:
+    files = sorted(p for p in tmp_path.rglob("*") if p.is_file())
+    shard = root / "train/t0/000000"  # the tar and its index, nothing else anywhere
+    assert files == [Path(f"{shard}.{x}") for x in ("idx.json", "idx.npy", "tar")]
+    with tarfile.open(files[-1]) as tf:
         assert all("/" not in n and ".." not in n.split(".")[0] for n in tf.getnames())
 
 

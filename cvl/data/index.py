@@ -268,9 +268,8 @@ class _folder_lock:
 # -- the process-wide shard table ------------------------------------------------------------
 class _Table:
     """Every shard this process has met: path, usable count, skipped reasons; rows are
-    memory-mapped on first read (an LRU of `MAX_MAPS` maps: each holds a descriptor)."""
-
-    MAX_MAPS = 512
+    memory-mapped on first read (an LRU of as many maps as open shards, `cvl.data.remote`:
+    each map holds a descriptor)."""
 
     def __init__(self) -> None:
         self.paths: list[str] = []
@@ -280,6 +279,7 @@ class _Table:
         self.skipped: list[tuple] = []
         self.maps: OrderedDict[int, np.ndarray] = OrderedDict()
         self.pid = os.getpid()
+        self.max_maps = 0
 
     def add(self, shards: Sequence[str]) -> np.ndarray:
         """Shard ids of `shards`, indexing what is new; a local shard whose size changed
@@ -329,7 +329,11 @@ class _Table:
         if len(m) != self.counts[sid]:
             raise CvlError(f"{path}: its index {npy} changed while in use (rebuild it)")
         self.maps[sid] = m
-        if len(self.maps) > self.MAX_MAPS:
+        if not self.max_maps:
+            from cvl.data.remote import _open_limit
+
+            self.max_maps = _open_limit()
+        if len(self.maps) > self.max_maps:
             self.maps.popitem(last=False)
         return m
 

@@ -22,15 +22,21 @@ BACKOFF_S = 0.25
 
 
 def _open_limit() -> int:
-    """Open shard descriptors kept per process: a quarter of the soft descriptor limit,
-    between 16 and 1,024 (a node's 8 ranks x 12 workers each hold this many)."""
+    """Open shard descriptors kept per process: a quarter of the descriptor limit, between
+    16 and 2,048 (each rank and loader worker of a node holds this many). The soft limit is
+    raised towards the hard one first (to 16,384 at most), as training jobs commonly do: the
+    usual soft 1,024 would keep only 256 shards open."""
     try:
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = 16384 if hard == resource.RLIM_INFINITY else min(hard, 16384)
+        if soft != resource.RLIM_INFINITY and soft < want:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
     except (OSError, ValueError):
         soft = 1024
     if soft == resource.RLIM_INFINITY:
-        soft = 4096
-    return max(16, min(1024, soft // 4))
+        soft = 8192
+    return max(16, min(2048, soft // 4))
 
 
 class Files:

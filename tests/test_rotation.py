@@ -459,3 +459,36 @@ def test_cli_rotation_errors(two_runs, extra, msg, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert msg in err and "Traceback" not in err
+
+
+ROTATION_ROWS = [
+    {"modality": "vision", "precision": "no"},
+    {"modality": "text", "precision": "bf16"},
+    {"modality": "both", "precision": "fp16"},
+]
+
+
+def test_every_value_of_every_rotation_choice_option_runs(two_runs, tmp_path, capsys):
+    """Every value of `cvl analyze rotation`'s choice options (checked against click's
+    choices) analyses a run, or says in one line why it cannot (issue 47)."""
+    import click
+
+    from cvl.cli import cli, main
+
+    cmd = cli.get_command(click.Context(cli), "analyze").get_command(click.Context(cli), "rotation")
+    for p in cmd.params:
+        if isinstance(p, click.Option) and isinstance(p.type, click.Choice):
+            assert set(p.type.choices) <= {r[p.name] for r in ROTATION_ROWS}, p.name
+    run, _ = two_runs
+    for i, row in enumerate(ROTATION_ROWS):
+        out = tmp_path / f"o{i}"
+        argv = ["analyze", "rotation", "--run", str(run), "--tasks", "0,t1", "--max-samples", "10"]
+        argv += ["--out", str(out), "--no-plots", "--quiet"]
+        argv += [x for k, v in row.items() for x in (f"--{k}", v)]
+        rc = main(argv)
+        err = capsys.readouterr().err.strip()
+        if rc == 0:
+            assert json.loads((out / "rotation.json").read_text())["tables"], row
+        else:
+            lines = [ln for ln in err.splitlines() if not ln.startswith("warning: ")]
+            assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), (row, err)

@@ -274,7 +274,8 @@ def test_mixture_with_tune_and_a_flops_budget(tune, tiny, tmp_path):
     run = tmp_path / "run"
     argv = train_argv(tiny, run, "lwf") + ["--buffer", "reservoir", "--buffer-size", "8"]
     argv += _mix_args(tiny, True) + ["--tune", tune, "--budget", "tflops=1e-4/task"]
-    cli(argv + ["--lr-schedule", "cosine-dyn", "--max-steps-per-task", "8"])
+    # a floor: a task the budget buys one step of would train it at lr 0 (refused, issue 47)
+    cli(argv + ["--lr-schedule", "cosine-dyn", "--max-steps-per-task", "8", "--min-lr", "1e-5"])
     for t in ("00-t0", "01-t1", "02-t2"):
         tj = json.loads((run / "tasks" / t / "task.json").read_text())
         assert tj["steps"] == tj["budget"]["steps_trained"] >= 1

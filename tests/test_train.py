@@ -73,9 +73,11 @@ def test_zeroshot_saves_initial_weights_everywhere(synth_stream, tmp_path):
 def test_reservoir_buffer_is_mixed_in_and_saved(synth_stream, tmp_path):
     _train(synth_stream, tmp_path / "b", buffer="reservoir", buffer_size=32, max_steps_per_task=2)
     done = finished_tasks(tmp_path / "b")
-    st = json.loads((done[1].path / "method_state.json").read_text())
-    assert sum(len(v) for v in st["buffer"]["items"].values()) == 32
-    assert set(st["buffer"]["items"]) == {"t0", "t1"}
+    from cvl.train.checkpoint import load_state
+
+    items = load_state(done[1].path, "method_state")["buffer"]["items"]  # int64 positions
+    assert sum(len(v) for v in items.values()) == 32
+    assert set(items) == {"t0", "t1"}
     info = json.loads((done[1].path / "task.json").read_text())
     assert info["buffer_items"] == 32
 

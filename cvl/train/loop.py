@@ -36,18 +36,15 @@ from cvl.data.mixture import build_mixture, task_data
 from cvl.data.reader import (
     PairDataset,
     default_workers,
-    eval_loader,
     make_loader,
     sample_seed,
 )
-from cvl.data.transforms import image_transform
 from cvl.device import drop_optimizers, nondeterministic_ops_stop
 from cvl.dist import GradReducer
 from cvl.errors import CvlError
-from cvl.methods.base import Method, TaskContext, check_base_loss, frozen_copy
+from cvl.methods.base import Method, TaskContext, check_base_loss
 from cvl.methods.registry import get_method
 from cvl.progress import progress_bar
-from cvl.runs import MODEL_FILE, task_dir
 from cvl.streams.manifest import Manifest, load_manifest
 from cvl.train.budget import budget_options, measure_step, parse_budget, plan_task
 from cvl.train.config import TrainConfig
@@ -71,9 +68,10 @@ from cvl.train.schedules import (
     task_position,
 )
 from cvl.train.selection import BestKeeper, selection_set, val_score
+from cvl.train.services import TrainerServices
 
 
-class Trainer(RunFolder, NonFiniteGuards):
+class Trainer(RunFolder, NonFiniteGuards, TrainerServices):
     """Runs (or resumes) `cfg` into `cfg.out`; call `run()`."""
 
     def __init__(self, cfg: TrainConfig, force: bool = False, progress: bool = True) -> None:
@@ -203,57 +201,6 @@ class Trainer(RunFolder, NonFiniteGuards):
                 "note: the model has BatchNorm; on CPU its statistics are per process "
                 "(no SyncBatchNorm kernel), so N processes x batch B differ slightly from 1 x N*B"
             )
-
-    # -- services for methods and buffers ------------------------------------------------------
-
-    def entries_of(self, task: str) -> Entries:
-        """Training entries of a task (integers over its shards' on-disk indexes)."""
-        if task not in self._entries:
-            ds = PairDataset.from_shards(self.manifest.train_shards(task), name=f"task {task}")
-            self._entries[task] = ds.entries
-            self.skipped = getattr(self, "skipped", {})
-            self.skipped[task] = dict(ds.skipped)
-        return self._entries[task]
-
-    def previous_model(self, ctx: TaskContext) -> Any:
-        """Frozen copy of the weights saved after task `ctx.task_index - 1`."""
-        from cvl.models import load_weights
-
-        i = ctx.task_index - 1
-        if self._prev_cache is None or self._prev_cache[0] != i:
-            m = frozen_copy(self.model)
-            load_weights(m, task_dir(self.out, i, self.order[i]) / MODEL_FILE)
-            self._prev_cache = (i, m.to(self.acc.device))
-        return self._prev_cache[1]
-
-    @torch.no_grad()
-    def pair_features(self, entries: Entries, batch_size: int = 256) -> torch.Tensor:
-        """One feature per pair for buffer selection: fusion CLS, else normalise(v + w)."""
-        model = self.model
-        ds = PairDataset(entries, image_transform(model.image_size, train=False), model.tokenizer)
-        was = model.training
-        model.eval()
-        feats = []
-        rank, world = self.acc.process_index, self.acc.num_processes
-        for b in eval_loader(ds, batch_size, rank=rank, world=world):
-            img, txt = b["image"].to(self.acc.device), b["text"].to(self.acc.device)
-            out = model(img, txt)
-            if getattr(model, "has_fusion", False):
-                f = torch.nn.functional.normalize(
-                    model.fusion_cls(out["image_embeds"], txt), dim=-1
-                )
-            else:
-                f = torch.nn.functional.normalize(
-                    out["image_features"] + out["text_features"], dim=-1
-                )
-            feats.append(f.float())
-        model.train(was)
-        local = torch.cat(feats) if feats else torch.zeros(0, model.embed_dim)
-        if world > 1:
-            from cvl.evaluation.embed import _gather_rows
-
-            return _gather_rows(local, self.acc, len(ds))
-        return local.cpu()
 
     # -- the loop ----------------------------------------------------------------------------
 

@@ -219,7 +219,12 @@ def test_dkr_two_processes_equal_one(pair_runs):
 
     l1, l2, w1, w2 = pair_runs
     assert any("dkr_js" in r for r in l1)
-    assert_equivalent(l1, l2, without_key_bias(w1), without_key_bias(w2), keys=("loss", "itc"))
+    # weights: measured 1.02e-5 for one out_proj entry with issue 44's batch order (5.6e-6
+    # with the earlier order): float32 rounding of the gathered batch's reductions, which a
+    # distribution fault (~lr = 5e-4 a step) exceeds by far
+    assert_equivalent(
+        l1, l2, without_key_bias(w1), without_key_bias(w2), keys=("loss", "itc"), weight_atol=2e-5
+    )
     for a, b in zip(l1, l2):
         if a["task_index"] > 0:
             assert abs(a["dkr_js"] - b["dkr_js"]) <= 1e-5, (a, b)

@@ -195,10 +195,6 @@ def assert_weights_close(w1: dict, w2: dict, atol: float = 1e-5, key_bias_atol: 
             n = a.numel() // 3
             assert torch.allclose(a[n : 2 * n], b[n : 2 * n], atol=key_bias_atol), k
             a, b = torch.cat([a[:n], a[2 * n :]]), torch.cat([b[:n], b[2 * n :]])
-        d = (a - b).abs()
-        assert torch.allclose(a, b, atol=atol), (
-            k,
-            float(d.max()),
-            int((d > atol).sum()),
-            d.numel(),
-        )
+        if not torch.allclose(a, b, atol=atol):
+            d = (a.double() - b.double()).abs()
+            raise AssertionError((k, float(d.max()), int((d > atol).sum()), d.numel()))

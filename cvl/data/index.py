@@ -479,6 +479,18 @@ def path_of(sid: int) -> str:
     return TABLE.paths[sid]
 
 
+def ids_of_refs(refs: Sequence[tuple[str, str]]) -> np.ndarray:
+    """Packed ids of samples given by (shard path, key), each shard's index read once; -1 for
+    a key its shard does not hold."""
+    by_shard: dict[str, list[int]] = {}
+    for i, (shard, _) in enumerate(refs):
+        by_shard.setdefault(str(shard), []).append(i)
+    ids = np.empty(len(refs), dtype=np.int64)
+    for shard, at in by_shard.items():
+        ids[at] = ids_of_keys(shard, [refs[i][1] for i in at])
+    return ids
+
+
 def ids_of_keys(shard: str, keys: Sequence[str]) -> np.ndarray:
     """Packed ids of samples given by (shard, key), e.g. an old run's replay buffer; -1 for a
     key the shard does not hold."""

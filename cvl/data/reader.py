@@ -38,7 +38,7 @@ from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from cvl.data.augment import SplitTransform
 from cvl.data.images import MAX_PIXELS, open_image  # noqa: F401 (MAX_PIXELS: re-exported)
-from cvl.data.index import IMAGE_EXTS, TABLE, Entries, Entry, ids_of_keys, is_remote  # noqa: F401
+from cvl.data.index import IMAGE_EXTS, TABLE, Entries, Entry, ids_of_refs, is_remote  # noqa: F401
 from cvl.data.order import aug_seeds, derive_key, permute
 from cvl.data.remote import Files
 from cvl.errors import CvlError
@@ -100,16 +100,10 @@ class PairDataset(Dataset):
     def from_refs(cls, refs: Iterable[tuple[str, str]], **kw: Any) -> PairDataset:
         """Samples addressed by (shard path, key), e.g. a replay buffer's contents."""
         refs = list(refs)
-        by_shard: dict[str, list[int]] = {}
-        for i, (shard, _) in enumerate(refs):
-            by_shard.setdefault(str(shard), []).append(i)
-        ids = np.empty(len(refs), dtype=np.int64)
-        for shard, pos in by_shard.items():
-            got = ids_of_keys(shard, [refs[i][1] for i in pos])
-            if (got < 0).any():
-                key = refs[pos[int(np.flatnonzero(got < 0)[0])]][1]
-                raise CvlError(f"{shard}: no usable sample with key '{key}'")
-            ids[pos] = got
+        ids = ids_of_refs(refs)
+        if (ids < 0).any():
+            shard, key = refs[int(np.flatnonzero(ids < 0)[0])]
+            raise CvlError(f"{shard}: no usable sample with key '{key}'")
         return cls(Entries.of_ids(ids), **kw)
 
     def with_entries(self, entries: Entries | Sequence[Entry]) -> PairDataset:

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cvl.data.index import Entries, ids_of_keys
+from cvl.data.index import Entries, ids_of_refs
 from cvl.device import to_device
 from cvl.errors import CvlError
 
@@ -315,13 +315,9 @@ class Buffer:
         out: dict[tuple[str, str], Key] = {}
         for t, refs in items.items():
             refs = [tuple(r) for r in refs]
-            ids = np.empty(len(refs), dtype=np.int64)
-            by_shard: dict[str, list[int]] = {}
-            for i, (shard, _) in enumerate(refs):
-                by_shard.setdefault(shard, []).append(i)
-            for shard, at in by_shard.items():
-                path = os.path.abspath(os.path.join(self.root or "", shard))
-                ids[at] = ids_of_keys(path, [refs[i][1] for i in at])
+            ids = ids_of_refs(
+                [(os.path.abspath(os.path.join(self.root or "", s)), k) for s, k in refs]
+            )
             every = self.entries_of(t).all_ids()
             order = np.argsort(every, kind="stable")
             found = np.zeros(len(ids), dtype=bool)

@@ -9,7 +9,7 @@ TORCH_PIN := torch==2.14.1 torchvision==0.29.1
 DEMO_DIR ?= demo-out
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: venv demo test smoke lint format bench gpu-check docs docs-serve clean
+.PHONY: venv demo test smoke matrix lint format bench gpu-check docs docs-serve clean
 
 venv: $(STAMP)
 
@@ -33,6 +33,11 @@ test: $(STAMP)
 # (pytest-xdist), each process on one thread.
 smoke: $(STAMP)
 	$(BIN)/python -m pytest -q -m recipes -n 2 --durations=0 tests/test_recipes.py
+
+# Every method under each training mode against its reference run (tests marked `matrix`:
+# cached gradient accumulation = one big batch, FSDP2 = DDP), which `make test` leaves out.
+matrix: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m matrix -n 2 --dist loadgroup --durations=20
 
 lint: $(STAMP)
 	$(BIN)/ruff format --check cvl tests benchmarks recipes

@@ -20,6 +20,7 @@ from PIL import Image
 from reliability_helpers import build_tiny_stream, cli, train_argv
 
 from cvl.data import index as idx
+from cvl.data import shardindex
 from cvl.data.index import Entries, index_files, scan_tar
 from cvl.data.mixture import mixed_batch, mixed_epoch, stream_items
 from cvl.data.order import permute
@@ -45,7 +46,7 @@ def test_the_writer_records_what_a_scan_of_the_tar_finds(tmp_path):
     shards = _sink(tmp_path, 11, long=True)
     for s in shards:
         rows = np.load(index_files(str(s))[0])
-        want, skipped = scan_tar(str(s))
+        want, skipped, _, _ = scan_tar(str(s))
         assert rows.tobytes() == want.tobytes() and rows.dtype == want.dtype
         summary = json.loads(Path(index_files(str(s))[1]).read_text())
         assert summary["count"] == len(want) and summary["skipped"] == [list(x) for x in skipped]
@@ -80,8 +81,8 @@ def _foreign(root: Path, n_shards: int, per: int) -> list[Path]:
 def test_foreign_shards_are_indexed_once_in_parallel_and_reused(tmp_path, monkeypatch):
     shards = _foreign(tmp_path / "f", 6, 3)
     calls = []
-    real = idx._index_one
-    monkeypatch.setattr(idx, "_index_one", lambda s: calls.append(s) or real(s))
+    real = shardindex.index_one
+    monkeypatch.setattr(shardindex, "index_one", lambda s: calls.append(s) or real(s))
     monkeypatch.setenv("CVL_INDEX_PROCESSES", "1")
     ds = PairDataset.from_shards(shards)
     assert len(ds) == 18 and sorted(calls) == sorted(map(str, shards))
@@ -93,7 +94,7 @@ def test_foreign_shards_are_indexed_once_in_parallel_and_reused(tmp_path, monkey
     _foreign(tmp_path / "f", 1, 5)
     assert len(PairDataset.from_shards(shards)) == 20 and calls == [str(shards[0])]
     # in parallel (a process pool) the same files result
-    monkeypatch.setattr(idx, "_index_one", real)
+    monkeypatch.setattr(shardindex, "index_one", real)
     for s in shards:
         os.unlink(index_files(str(s))[1])
     monkeypatch.setenv("CVL_INDEX_PROCESSES", "2")
@@ -196,12 +197,15 @@ class RangeServer:
                     self.send_error(404)
                     return
                 data = path.read_bytes()
+                size = len(data)
                 m = re.match(r"bytes=(\d+)-(\d*)", rng or "")
                 code = 200
                 if m:
                     a, b = int(m[1]), int(m[2]) if m[2] else len(data) - 1
                     data, code = data[a : b + 1], 206
                 self.send_response(code)
+                if code == 206:
+                    self.send_header("Content-Range", f"bytes {a}-{a + len(data) - 1}/{size}")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)

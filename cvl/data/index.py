@@ -1,268 +1,41 @@
-"""The on-disk sample index of webdataset shards, written once and memory-mapped.
+"""The sample index in memory: every shard a process has met (`TABLE`: its path, usable
+count and what was left out; rows memory-mapped on first read) and a dataset's samples as
+integers (`Entries`).
 
-Beside each shard ``NAME.tar`` lie two small files (format ``cvl.index/1``):
+What a process holds: per shard its path and count (O(shards)); per sample nothing: a sample is
+a position in a list of shard runs, located by binary search, and its row is read from the
+shard's memory-mapped ``.idx.npy`` (page cache, shared by every rank and loader worker of a
+node; nothing is copied on read). Subsets (replay buffers, subsampled evaluation sets) are
+int64 arrays of packed (shard id, row).
 
-- ``NAME.idx.npy``: a numpy structured array, one row per usable sample in file order:
-  ``image``, ``text``, ``meta`` = (offset, size) of the members' data in the tar (``meta`` =
-  (-1, 0) without KEY.json) and ``key`` (the sample key, bytes). 32 + len(key) bytes a sample.
-- ``NAME.idx.json``: ``{"schema", "count", "skipped": [[key, reason], ...], "tar_bytes"}``:
-  the usable samples, those left out (no image, no caption, an empty caption) and the tar's
-  size when indexed (an index whose tar changed size is rebuilt).
-
-`ShardSink` writes both as it writes the tar (the offsets tarfile reports, nothing re-read).
-Shards cvl did not write (img2dataset's, a downloaded webdataset, streams built before
-indexes existed) are indexed on first use: one process per folder takes a lock, indexes every
-missing shard in parallel (`index_processes`) and the others wait and reuse its files. When a
-shard's folder is not writable the files go to ``$CVL_INDEX_CACHE`` (default
-``~/.cache/cvl/index``), named by a hash of the shard's path.
-
-What a process holds (`Entries`): per shard its path and count (O(shards)); per sample
-nothing: a sample is a position in a list of shard runs, located by binary search, and its
-row is read from the shard's memory-mapped ``.idx.npy`` (page cache, shared by every rank and
-loader worker of a node; nothing is copied on read). Subsets (replay buffers, subsampled
-evaluation sets) are int64 arrays of packed (shard id, row).
+The index files themselves (format, writing, proving that an index belongs to its tar,
+building what is missing, a stream's summary) are `cvl.data.shardindex`; the tar format is
+`cvl.data.tarfmt`.
 """
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
-import json
 import os
-import tarfile
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from cvl.data.shardindex import (  # noqa: F401 (re-exported: the index's public names)
+    SCHEMA,
+    cached_rows,
+    ensure_indexed,
+    fix_command,
+    index_files,
+    is_remote,
+    write_index,
+)
+from cvl.data.tarfmt import IMAGE_EXTS, MemberLog, row_dtype, scan_tar  # noqa: F401
 from cvl.errors import CvlError
 
-SCHEMA = "cvl.index/1"
-IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 _ROW = 1 << 32  # packed sample id: shard id * 2**32 + row
-
-
-def _dtype(keylen: int) -> np.dtype:
-    return np.dtype(
-        [("image", "<i8", 2), ("text", "<i8", 2), ("meta", "<i8", 2), ("key", f"S{max(1, keylen)}")]
-    )
-
-
-def is_remote(path: str) -> bool:
-    """A shard addressed by URL (fsspec: http(s)://, s3://, gs://, ...), not a local path."""
-    return "://" in str(path) and not str(path).startswith("file://")
-
-
-def _stem(shard: str) -> str:
-    return shard[:-4] if shard.endswith(".tar") else shard
-
-
-def index_files(shard: str) -> tuple[str, str]:
-    """(rows, summary) paths of a shard's index: beside the tar, or in the cache folder when
-    the tar's folder is not writable and no index lies beside it."""
-    stem = _stem(str(shard))
-    beside = (stem + ".idx.npy", stem + ".idx.json")
-    if is_remote(shard) or os.path.exists(beside[1]) or os.access(os.path.dirname(stem), os.W_OK):
-        return beside
-    cache = Path(os.environ.get("CVL_INDEX_CACHE") or Path.home() / ".cache" / "cvl" / "index")
-    h = hashlib.sha256(os.path.abspath(stem).encode()).hexdigest()[:24]
-    base = str(cache / f"{h}-{os.path.basename(stem)}")
-    return base + ".idx.npy", base + ".idx.json"
-
-
-# -- writing ----------------------------------------------------------------------------------
-def _classify(members: dict[str, dict[str, tuple[int, int]]], order: list[str]) -> tuple:
-    rows, skipped = [], []
-    for key in order:
-        m = members[key]
-        img = next((m[e] for e in IMAGE_EXTS if e in m), None)
-        if img is None:
-            skipped.append((key, "missing_image"))
-        elif "txt" not in m:
-            skipped.append((key, "missing_caption"))
-        elif m["txt"][1] == 0:
-            skipped.append((key, "empty_caption"))
-        else:
-            rows.append((img, m["txt"], m.get("json", (-1, 0)), key.encode("utf-8")))
-    keylen = max((len(r[3]) for r in rows), default=1)
-    arr = np.array(rows, dtype=_dtype(keylen)) if rows else np.zeros(0, _dtype(1))
-    return arr, skipped
-
-
-class MemberLog:
-    """Collects (member name, data offset, size) as a tar is written, in order; `index()`
-    classifies them into the index rows (the reader's rules)."""
-
-    def __init__(self) -> None:
-        self.members: dict[str, dict[str, tuple[int, int]]] = {}
-        self.order: list[str] = []
-
-    def add(self, name: str, offset: int, size: int) -> None:
-        base = name.rsplit("/", 1)[-1]
-        if "." not in base:
-            return
-        key, ext = base.split(".", 1)
-        key = name[: len(name) - len(base)] + key
-        if key not in self.members:
-            self.members[key] = {}
-            self.order.append(key)
-        self.members[key][ext.lower()] = (offset, size)
-
-    def index(self) -> tuple[np.ndarray, list[tuple[str, str]]]:
-        return _classify(self.members, self.order)
-
-
-def scan_tar(path: str) -> tuple[np.ndarray, list[tuple[str, str]]]:
-    """Index a tar by reading its headers (once per shard cvl did not write)."""
-    log = MemberLog()
-    try:
-        with tarfile.open(path, mode="r:") as tf:
-            for ti in tf:
-                if ti.isfile():
-                    log.add(ti.name, ti.offset_data, ti.size)
-    except (tarfile.TarError, OSError) as e:
-        raise CvlError(f"{path}: not a readable tar shard ({e})") from None
-    return log.index()
-
-
-def write_index(shard: str, rows: np.ndarray, skipped: list, tar_bytes: int) -> None:
-    """Write a shard's two index files atomically (rows first: the summary marks it done)."""
-    npy, js = index_files(shard)
-    os.makedirs(os.path.dirname(npy) or ".", exist_ok=True)
-    tmp = f"{npy}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
-        np.save(f, rows, allow_pickle=False)
-    os.replace(tmp, npy)
-    summary = {
-        "schema": SCHEMA,
-        "count": len(rows),
-        "skipped": [list(s) for s in skipped],
-        "tar_bytes": tar_bytes,
-    }
-    tmp = f"{js}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(summary, f)
-    os.replace(tmp, js)
-
-
-def _index_one(shard: str) -> None:
-    rows, skipped = scan_tar(shard)
-    write_index(shard, rows, skipped, os.path.getsize(shard))
-
-
-# -- reading summaries; building what is missing -----------------------------------------------
-def _summary(shard: str, check: bool = True) -> dict[str, Any] | None:
-    """A shard's index summary, or None when it is missing or stale (tar size changed)."""
-    js = index_files(shard)[1]
-    try:
-        if is_remote(shard):
-            from cvl.data.remote import read_bytes
-
-            try:
-                d = json.loads(read_bytes(js))
-            except CvlError as e:
-                if "not found" in str(e):
-                    return None
-                raise
-        else:
-            with open(js, encoding="utf-8") as f:
-                d = json.load(f)
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as e:
-        if is_remote(shard):
-            raise
-        return None if isinstance(e, ValueError) else _raise(shard, e)
-    if d.get("schema") != SCHEMA:
-        return None
-    if check and not is_remote(shard):
-        try:
-            if os.path.getsize(shard) != d.get("tar_bytes"):
-                return None
-        except OSError as e:
-            _raise(shard, e)
-    return d
-
-
-def _raise(shard: str, e: OSError) -> None:
-    raise CvlError(f"{shard}: cannot read the shard or its index ({e.strerror or e})") from None
-
-
-def index_processes() -> int:
-    """Processes that index shards cvl did not write (`CVL_INDEX_PROCESSES`, default: cores)."""
-    env = os.environ.get("CVL_INDEX_PROCESSES")
-    if env:
-        return max(1, int(env))
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
-def ensure_indexed(shards: Sequence[str]) -> list[dict[str, Any]]:
-    """Every shard's summary, indexing the shards that have none (module doc); in order."""
-    out: list[dict[str, Any] | None] = [_summary(s) for s in shards]
-    missing = [s for s, d in zip(shards, out) if d is None]
-    if not missing:
-        return out  # type: ignore[return-value]
-    remote = [s for s in missing if is_remote(s)]
-    if remote:
-        raise CvlError(
-            f"{remote[0]}: no index beside the shard ({index_files(remote[0])[1]}); remote "
-            "shards need their index files beside them: run `cvl index STREAM` on the stream "
-            "before copying it (streams built by this cvl have them)"
-        )
-    by_folder: dict[str, list[str]] = {}
-    for s in missing:
-        if not os.path.isfile(s):
-            raise CvlError(f"{s}: shard not found")
-        by_folder.setdefault(os.path.dirname(index_files(s)[1]), []).append(s)
-    for folder, group in by_folder.items():
-        with _folder_lock(folder):  # one process per node indexes; the others wait, then reuse
-            todo = [s for s in group if _summary(s) is None]
-            _build(todo)
-    return [d if d is not None else _summary(s) or _fail(s) for s, d in zip(shards, out)]
-
-
-def _fail(shard: str) -> dict[str, Any]:
-    raise CvlError(f"{shard}: indexing left no index (is its folder writable?)")
-
-
-def _build(todo: list[str]) -> None:
-    if not todo:
-        return
-    procs = min(index_processes(), len(todo))
-    if procs <= 1 or len(todo) < 4:
-        for s in todo:
-            _index_one(s)
-        return
-    import multiprocessing as mp
-
-    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    with ProcessPoolExecutor(procs, mp_context=ctx) as ex:
-        list(ex.map(_index_one, todo, chunksize=max(1, len(todo) // (procs * 8))))
-
-
-class _folder_lock:
-    """An exclusive advisory lock on `folder/.cvl-index.lock` (blocking; released on exit or
-    when the process dies)."""
-
-    def __init__(self, folder: str) -> None:
-        self.path = os.path.join(folder or ".", ".cvl-index.lock")
-
-    def __enter__(self) -> _folder_lock:
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
-        os.close(self.fd)
 
 
 # -- the process-wide shard table ------------------------------------------------------------
@@ -276,20 +49,22 @@ class _Table:
         self.ids: dict[str, int] = {}
         self.counts: list[int] = []
         self.sizes: list[int | None] = []  # the tar's bytes when indexed
+        self.stamps: list[Any] = []  # local: the tar's (size, mtime) when met; remote: summary
         self.skipped: list[tuple] = []
         self.maps: OrderedDict[int, np.ndarray] = OrderedDict()
         self.pid = os.getpid()
         self.max_maps = 0
 
     def add(self, shards: Sequence[str]) -> np.ndarray:
-        """Shard ids of `shards`, indexing what is new; a local shard whose size changed
-        since it was met gets a new id (and index), so no dataset mixes two versions."""
+        """Shard ids of `shards`, indexing what is new; a local shard that changed since it
+        was met (size or time) gets a new id (and index), so no dataset mixes two versions."""
         new = [s for s in dict.fromkeys(shards) if not self._known(s)]
         for s, d in zip(new, ensure_indexed(new)):
             self.ids[s] = len(self.paths)
             self.paths.append(s)
             self.counts.append(int(d["count"]))
             self.sizes.append(d.get("tar_bytes"))
+            self.stamps.append(d if is_remote(s) else _stamp(s))
             self.skipped.append(tuple(tuple(x) for x in d.get("skipped", ())))
         return np.array([self.ids[s] for s in shards], dtype=np.int64)
 
@@ -299,10 +74,7 @@ class _Table:
             return False
         if is_remote(shard):
             return True
-        try:
-            return os.path.getsize(shard) == self.sizes[sid]
-        except OSError:
-            return False
+        return _stamp(shard) == self.stamps[sid]
 
     def rows(self, sid: int) -> np.ndarray:
         if self.pid != os.getpid():  # a forked loader worker: maps are per process
@@ -314,20 +86,20 @@ class _Table:
         path = self.paths[sid]
         npy = index_files(path)[0]
         if self.counts[sid] == 0:
-            return np.zeros(0, _dtype(1))  # (numpy cannot map an empty array)
-        if is_remote(path):
-            import io
-
-            from cvl.data.remote import read_bytes
-
-            m = np.load(io.BytesIO(read_bytes(npy)), allow_pickle=False)
-        else:
-            try:
-                m = np.load(npy, mmap_mode="r", allow_pickle=False)
-            except (OSError, ValueError) as e:
-                raise CvlError(f"{path}: cannot read its index {npy} ({e})") from None
+            return np.zeros(0, row_dtype(1))  # (numpy cannot map an empty array)
+        if is_remote(path):  # fetched once per node into the index cache, then mapped
+            npy = cached_rows(path, self.stamps[sid])
+        try:
+            m = np.load(npy, mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError) as e:
+            raise CvlError(
+                f"{path}: cannot read its index {npy} ({e}); rebuild it: {fix_command(path)}"
+            ) from None
         if len(m) != self.counts[sid]:
-            raise CvlError(f"{path}: its index {npy} changed while in use (rebuild it)")
+            raise CvlError(
+                f"{path}: its index {npy} changed while in use; rebuild it ({fix_command(path)}) "
+                "and start the command again"
+            )
         self.maps[sid] = m
         if not self.max_maps:
             from cvl.data.remote import _open_limit
@@ -477,6 +249,14 @@ class Entries(Sequence):
 
 def path_of(sid: int) -> str:
     return TABLE.paths[sid]
+
+
+def _stamp(shard: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(shard)
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns
 
 
 def ids_of_refs(refs: Sequence[tuple[str, str]]) -> np.ndarray:

@@ -1,11 +1,12 @@
 """Reading stream shards back as a map-style torch Dataset.
 
 Shards are real webdataset tars; each has an on-disk index written once (`cvl.data.index`:
-member offsets, memory-mapped) and samples are read by offset (`cvl.data.remote`: an LRU of
-open files, byte ranges for shards at URLs). A map-style dataset makes three things exact that an
-iterable one makes hard: resume at a batch position, the same global batches for 1 process
-with batch 2B as for 2 processes with batch B (rank r takes slice r of each global batch),
-and replay-buffer items addressed by (shard, key).
+member offsets, memory-mapped) and a batch's samples are read together by offset
+(`cvl.data.samples`: one range a sample, neighbours merged, the ranges of shards at URLs in
+flight together; the loader calls `__getitems__` with a worker's whole batch). A map-style
+dataset makes three things exact that an iterable one makes hard: resume at a batch position,
+the same global batches for 1 process with batch 2B as for 2 processes with batch B (rank r
+takes slice r of each global batch), and replay-buffer items addressed by (shard, key).
 
 Samples without an image or with a missing/empty caption are left out at index time and
 counted in `skipped`; an image that fails to decode (truncated, not an image, a header larger
@@ -13,6 +14,8 @@ than `MAX_PIXELS`: checked before any pixel is decoded, so a decompression bomb 
 memory) or a caption that is not UTF-8 is replaced by the next good sample at load time and
 counted in the batch's `n_replaced` (training: every rank keeps the same batch size);
 evaluation sets drop such samples instead (`drop_unreadable`), so no item is counted twice.
+A shard that cannot be read as its index says (gone, unreachable, truncated, changed since it
+was indexed) is never a bad sample: it stops the command in one line (`ShardError`).
 A missing KEY.json is harmless (the key is the id). 16-bit greyscale images are scaled to
 8 bits (PIL's own RGB conversion would clip them to white).
 """
@@ -40,7 +43,7 @@ from cvl.data.augment import SplitTransform
 from cvl.data.images import MAX_PIXELS, open_image  # noqa: F401 (MAX_PIXELS: re-exported)
 from cvl.data.index import IMAGE_EXTS, TABLE, Entries, Entry, ids_of_refs, is_remote  # noqa: F401
 from cvl.data.order import aug_seeds, derive_key, permute
-from cvl.data.remote import Files
+from cvl.data.samples import _FILES, Sample, ShardError, read_entries, read_ids  # noqa: F401
 from cvl.errors import CvlError
 
 
@@ -53,7 +56,7 @@ def index_shard(path: str) -> tuple[Entries, tuple[tuple[str, str], ...]]:
     return e, TABLE.skipped[sid]
 
 
-_FILES = Files()
+_READABLE: dict[Any, bool] = {}  # packed id (or (shard, key)) -> decodes (drop_unreadable)
 
 
 def sample_seed(seed: int, *parts: int) -> int:
@@ -61,8 +64,18 @@ def sample_seed(seed: int, *parts: int) -> int:
     return zlib.crc32(repr((seed, *parts)).encode()) & 0x7FFFFFFF
 
 
+def _text(s: Sample) -> tuple[str, dict[str, Any]]:
+    caption = s.text.decode("utf-8").strip()
+    if not caption:
+        raise ValueError("empty caption")
+    return caption, (json.loads(s.meta.decode("utf-8")) if s.meta else {})
+
+
 class PairDataset(Dataset):
-    """Image-caption pairs from shards; items are indices or (index, augmentation seed)."""
+    """Image-caption pairs from shards; items are indices or (index, augmentation seed).
+
+    `window` > 1 (the trainer sets it to `--shuffle-block`): shards at URLs are fetched by
+    windows of that many neighbouring rows (`cvl.data.samples`)."""
 
     def __init__(
         self,
@@ -71,6 +84,7 @@ class PairDataset(Dataset):
         tokenize: Callable[[list[str]], torch.Tensor] | None = None,
         skipped: Counter | None = None,
         name: str = "",
+        window: int = 1,
     ) -> None:
         # integers (`Entries`), or a plain list of Entry for hand-made datasets
         self.entries = entries if isinstance(entries, Entries) else list(entries)
@@ -78,6 +92,7 @@ class PairDataset(Dataset):
         self.tokenize = tokenize
         self.skipped = skipped if skipped is not None else Counter()
         self.name = name  # for error messages ("task t1", "test/t0")
+        self.window = window
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
@@ -114,11 +129,19 @@ class PairDataset(Dataset):
         """Leave out (and count in `skipped['unreadable']`) samples that fail to decode.
 
         For evaluation sets: replacing a bad item by its neighbour would count that one twice.
-        Decodes every sample once (results are remembered per shard member)."""
-        good = [i for i in range(len(self.entries)) if _readable(self, i)]
-        if len(good) < len(self.entries):
-            self.skipped["unreadable"] += len(self.entries) - len(good)
-            e = self.entries
+        Decodes every sample once (read 256 at a time; results are remembered per shard
+        member); a shard that cannot be read stops it (`ShardError`)."""
+        n = len(self.entries)
+        e = self.entries
+        keys = e.all_ids().tolist() if isinstance(e, Entries) else [x.ref for x in e]
+        todo = [i for i in range(n) if keys[i] not in _READABLE]
+        for s in range(0, len(todo), 256):
+            idx = todo[s : s + 256]
+            for i, r in zip(idx, self.read_raw_many(idx)):
+                _READABLE[keys[i]] = not isinstance(r, Exception)
+        good = [i for i in range(n) if _READABLE[keys[i]]]
+        if len(good) < n:
+            self.skipped["unreadable"] += n - len(good)
             self.entries = e.take(good) if isinstance(e, Entries) else [e[i] for i in good]
         if not good:
             raise CvlError(f"{self.name or 'dataset'}: every sample failed to decode")
@@ -128,57 +151,69 @@ class PairDataset(Dataset):
     def __len__(self) -> int:
         return len(self.entries)
 
+    def _samples(self, idx: Sequence[int]) -> tuple[list[Sample], np.ndarray | None]:
+        """The bytes of samples `idx` read together, and their packed ids (None: hand-made)."""
+        if isinstance(self.entries, Entries):
+            ids = self.entries.ids(idx)
+            return read_ids(ids, self.window), ids
+        return read_entries([self.entries[i] for i in idx]), None
+
     def read_raw(self, i: int) -> tuple[Image.Image, str, dict[str, Any]]:
         """Decode sample i: PIL image (RGB), caption, metadata. Raises on corrupt data."""
-        e = self.entries[i]
-        _, img = self._open(e)
-        img = load_rgb(img)
-        return (img, *self._text(e))
+        s = self._samples([i])[0][0]
+        return (load_rgb(open_image(s.image)), *_text(s))
 
-    def _entry(self, e: int | Entry) -> Entry:
-        return self.entries[e] if isinstance(e, int) else e
+    def read_raw_many(self, idx: Sequence[int]) -> list[tuple[Image.Image, str, dict] | Exception]:
+        """`read_raw` of many samples, their bytes read together; a sample that fails to
+        decode comes back as its exception (a shard that cannot be read raises)."""
+        out: list[Any] = []
+        for s in self._samples(idx)[0]:
+            try:
+                out.append((load_rgb(open_image(s.image)), *_text(s)))
+            except Exception as e:  # noqa: BLE001 (corrupt JPEG, non-UTF-8 text, bad JSON)
+                out.append(e)
+        return out
 
-    def _open(self, e: int | Entry) -> tuple[bytes, Image.Image]:
+    def _open(self, i: int) -> tuple[bytes, Image.Image]:
         """A sample's image bytes and header-only PIL image (no pixel decoded yet)."""
-        e = self._entry(e)
-        data = _FILES.read(e.shard, e.image)
-        return data, open_image(data)  # header only; MAX_PIXELS checked
+        s = self._samples([i])[0][0]
+        return s.image, open_image(s.image)  # header only; MAX_PIXELS checked
 
-    def _text(self, e: int | Entry) -> tuple[str, dict[str, Any]]:
-        e = self._entry(e)
-        caption = _FILES.read(e.shard, e.text).decode("utf-8").strip()
-        if not caption:
-            raise ValueError("empty caption")
-        meta = json.loads(_FILES.read(e.shard, e.meta).decode("utf-8")) if e.meta else {}
-        return caption, meta
+    def _decode(self, s: Sample, aug: int | None) -> tuple[Any, str, dict[str, Any]]:
+        """(image or the split transform's parts, caption, meta); raises on corrupt data."""
+        if isinstance(self.transform, SplitTransform):  # the Compose's draws, in its order
+            with _seeded(aug):
+                img = open_image(s.image)
+                plan = self.transform.prepare(img)
+                parts = self.transform.apply(s.image, img, plan, load_rgb)
+                return (parts, *_text(s))
+        img = load_rgb(open_image(s.image))
+        return (img, *_text(s))
 
-    def _split_read(self, e: int | Entry) -> tuple[dict[str, Any], str, dict[str, Any]]:
-        """The split transform's worker part: crop box drawn from the header, then decoded."""
-        e = self._entry(e)
-        data, img = self._open(e)
-        plan = self.transform.prepare(img)
-        parts = self.transform.apply(data, img, plan, load_rgb)
-        return (parts, *self._text(e))
+    def __getitems__(self, items: Sequence[int | tuple[int, int]]) -> list[dict[str, Any]]:
+        """A batch's items (the loader's fetcher calls this with a worker's whole batch):
+        their bytes read together, then each decoded (a bad one replaced by the next good)."""
+        pairs = [(int(it), None) if not isinstance(it, tuple) else it for it in items]
+        samples, ids = self._samples([i for i, _ in pairs])
+        return [
+            self._item(i, aug, s, -1 if ids is None else int(ids[k]))
+            for k, ((i, aug), s) in enumerate(zip(pairs, samples))
+        ]
 
     def __getitem__(self, item: int | tuple[int, int]) -> dict[str, Any]:
-        i, aug = (item, None) if isinstance(item, int) else item
+        return self.__getitems__([item])[0]
+
+    def _item(self, i: int, aug: int | None, s: Sample, sid: int) -> dict[str, Any]:
         n = len(self.entries)
-        split = isinstance(self.transform, SplitTransform)
-        parts: dict[str, Any] = {}
+        j = i
         for replaced in range(n):
-            j = (i + replaced) % n
-            e = self.entries[j]
+            if replaced:
+                j = (i + replaced) % n
+                (s,), ids = self._samples([j])
+                sid = -1 if ids is None else int(ids[0])
             try:
-                if split:  # the same draws, in the same order, as the Compose (below) makes
-                    with _seeded(aug):
-                        parts, caption, meta = self._split_read(e)
-                else:
-                    img, caption, meta = self.read_raw(j)
-            except CvlError as err:  # an unreachable remote shard: not a bad sample
-                if "unreachable" in str(err):
-                    raise
-                continue
-            except Exception:  # corrupt JPEG, non-UTF-8 text, bad JSON: take the next sample
+                got, caption, meta = self._decode(s, aug)
+            except Exception:  # noqa: BLE001 (corrupt JPEG, non-UTF-8 text, bad JSON): next one
                 continue
             break
         else:
@@ -186,29 +221,31 @@ class PairDataset(Dataset):
                 f"{self.name or 'dataset'}: all {n} samples failed to decode "
                 f"(left out at indexing: {dict(self.skipped) or 'none'})"
             )
+        split = isinstance(self.transform, SplitTransform)
+        parts: dict[str, Any] = {}
         captions = meta.get("captions") or [caption]
         if aug is not None and len(captions) > 1:  # training: one caption per visit
             caption = captions[aug % len(captions)]
         if split:
+            parts = got
             image = parts.pop("image")
         elif self.transform is not None:
             with _seeded(aug):
-                image = self.transform(img)
+                image = self.transform(got)
         else:
-            image = img
+            image = got
         out = {
             **parts,
             "image": image,
             "caption": caption,
             "captions": list(captions),
             "index": j,
-            # packed (shard id, row): the sample's id in this process (`cvl.data.index`)
-            "sid": int(self.entries.ids([j])[0]) if isinstance(self.entries, Entries) else -1,
-            "key": e.key,
-            "shard": e.shard,
+            "sid": sid,  # packed (shard id, row): the sample's id in this process
+            "key": s.key,
+            "shard": s.shard,
             "task": meta.get("task"),
             "category": meta.get("category"),
-            "id": meta.get("id", e.key),
+            "id": meta.get("id", s.key),
             "n_replaced": replaced,
         }
         if self.tokenize is not None:
@@ -225,20 +262,6 @@ def load_rgb(img: Image.Image) -> Image.Image:
     if img.mode != "RGB":  # (convert would copy an RGB image)
         img = img.convert("RGB")
     return img
-
-
-_READABLE: dict[tuple[str, str], bool] = {}
-
-
-def _readable(ds: PairDataset, i: int) -> bool:
-    e = ds.entries[i]
-    if e.ref not in _READABLE:
-        try:
-            ds.read_raw(i)
-            _READABLE[e.ref] = True
-        except Exception:
-            _READABLE[e.ref] = False
-    return _READABLE[e.ref]
 
 
 @contextmanager

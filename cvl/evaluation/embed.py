@@ -99,8 +99,18 @@ class _PairItems(Dataset):
         return len(self.ds)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
+        return self.__getitems__([i])[0]
+
+    def __getitems__(self, idx: list[int]) -> list[dict[str, Any]]:
+        """A batch's items, their bytes read together; a shard that cannot be read raises
+        (`ShardError`: never a left-out sample)."""
+        return [self._item(i, r) for i, r in zip(idx, self.ds.read_raw_many(idx))]
+
+    def _item(self, i: int, raw: Any) -> dict[str, Any]:
         try:
-            img, caption, meta = self.ds.read_raw(i)
+            if isinstance(raw, Exception):
+                raise raw
+            img, caption, meta = raw
             image = self.to_uint8(img)
         except Exception as e:  # corrupt JPEG, non-UTF-8 text, bad JSON: left out
             return {"image": None, "error": f"{self.ds.entries[i].key}: {e}"}

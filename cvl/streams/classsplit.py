@@ -133,14 +133,15 @@ def _prompt_names(spec: str, names: list[str], from_classifier: bool) -> list[st
 
 def _iter_samples(shards: list[Path]):  # noqa: ANN202
     """(entry, raw meta dict) of every usable sample, in shard order."""
-    from cvl.data.reader import _FILES, index_shard
+    from cvl.data.reader import index_shard
+    from cvl.data.samples import read_member
 
     for s in shards:
         for e in index_shard(str(Path(s).absolute()))[0]:
             meta = {}
             if e.meta:
                 try:
-                    meta = json.loads(_FILES.read(e.shard, e.meta).decode("utf-8"))
+                    meta = json.loads(read_member(e, "meta").decode("utf-8"))
                 except (ValueError, UnicodeDecodeError):
                     meta = {}
             yield e, meta
@@ -200,7 +201,7 @@ def build_class_split(
     src: str | Path, out: str | Path, opts: ClassSplitOptions
 ) -> tuple[Manifest, dict[str, Any]]:
     """Write the class-incremental stream `out` from the labelled stream `src`."""
-    from cvl.data.reader import _FILES
+    from cvl.data.samples import read_member
     from cvl.progress import progress_bar
     from cvl.streams.manifest import ShardSet
     from cvl.streams.parallel import join_sets, map_shards, shard_ranges, unique_keys
@@ -330,9 +331,9 @@ def build_class_split(
             sink = ShardSink(tmp, rel, opts.shard_size, first=k)
             for pos in rg:
                 e, c, score, stask = rows[pos]
-                meta = json.loads(_FILES.read(e.shard, e.meta).decode("utf-8")) if e.meta else {}
-                jpg = _FILES.read(e.shard, e.image)
-                cap = _FILES.read(e.shard, e.text).decode("utf-8")
+                meta = json.loads(read_member(e, "meta").decode("utf-8")) if e.meta else {}
+                jpg = read_member(e, "image")
+                cap = read_member(e, "text").decode("utf-8")
                 new = dict(meta)
                 new.update(
                     {

@@ -168,17 +168,18 @@ class _Images:
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         from cvl.data.images import open_image
-        from cvl.data.reader import _FILES
+        from cvl.data.samples import read_member
 
         e = self.entries[i]
         sid = e.key
         try:
             if e.meta:
-                sid = json.loads(_FILES.read(e.shard, e.meta).decode("utf-8")).get("id", e.key)
+                sid = json.loads(read_member(e, "meta").decode("utf-8")).get("id", e.key)
         except (ValueError, UnicodeDecodeError):
             pass
+        data = read_member(e, "image")  # a shard that cannot be read stops (ShardError)
         try:
-            img = open_image(_FILES.read(e.shard, e.image))  # MAX_PIXELS checked first
+            img = open_image(data)  # MAX_PIXELS checked first
             img.load()
             x = self.processor(images=img.convert("RGB"), return_tensors="pt")["pixel_values"][0]
             err = None

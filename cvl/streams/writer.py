@@ -106,8 +106,9 @@ class ShardSink:
                 self._writer.close()
                 from cvl.data.index import write_index
 
-                rows, skipped = self._log.index()
-                write_index(str(self._path), rows, skipped, self._path.stat().st_size)
+                rows, skipped, unused = self._log.index()
+                size = self._path.stat().st_size
+                write_index(str(self._path), rows, skipped, size, unused, self._log.duplicate_keys)
             except BaseException:
                 self.abandon()
                 raise

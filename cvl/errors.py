@@ -8,11 +8,12 @@ class CvlError(Exception):
 
     Raised in a DataLoader worker, torch re-raises it in the main process as
     `CvlError("Caught CvlError in DataLoader worker process N.\\nOriginal Traceback ...")`;
-    the message is cut back to the original one line.
+    the message is cut back to the original one line (subclasses alike: `ShardError`).
     """
 
     def __init__(self, message: object = "", *args: object) -> None:
         text = str(message)
-        if text.startswith("Caught CvlError") and "\nOriginal Traceback" in text:
-            message = text.rsplit("CvlError: ", 1)[-1].strip()
+        name = type(self).__name__
+        if text.startswith(f"Caught {name}") and "\nOriginal Traceback" in text:
+            message = text.rsplit(f"{name}: ", 1)[-1].strip()
         super().__init__(message, *args)

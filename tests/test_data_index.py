@@ -4,20 +4,17 @@ served over HTTP (a loopback server with byte ranges)."""
 
 from __future__ import annotations
 
-import functools
-import http.server
 import json
 import os
-import re
 import shutil
 import tarfile
-import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 from reliability_helpers import build_tiny_stream, cli, train_argv
+from remote_helpers import RangeServer
 
 from cvl.data import index as idx
 from cvl.data import shardindex
@@ -175,52 +172,6 @@ def test_open_files_are_an_lru(tmp_path):
 
 
 # -- streams served over HTTP -----------------------------------------------------------------
-class RangeServer:
-    """A loopback static file server that honours `Range: bytes=a-b` (as object stores do)."""
-
-    def __init__(self, folder: Path, fail: set[str] | None = None) -> None:
-        self.requests: list[tuple[str, str | None]] = []
-        server = self
-
-        class Handler(http.server.SimpleHTTPRequestHandler):
-            def log_message(self, *a) -> None:  # noqa: ANN002
-                pass
-
-            def do_GET(self) -> None:  # noqa: N802
-                rng = self.headers.get("Range")
-                server.requests.append((self.path, rng))
-                path = Path(self.translate_path(self.path))
-                if fail and any(self.path.endswith(f) for f in fail):
-                    self.send_error(503)
-                    return
-                if not path.is_file():
-                    self.send_error(404)
-                    return
-                data = path.read_bytes()
-                size = len(data)
-                m = re.match(r"bytes=(\d+)-(\d*)", rng or "")
-                code = 200
-                if m:
-                    a, b = int(m[1]), int(m[2]) if m[2] else len(data) - 1
-                    data, code = data[a : b + 1], 206
-                self.send_response(code)
-                if code == 206:
-                    self.send_header("Content-Range", f"bytes {a}-{a + len(data) - 1}/{size}")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        handler = functools.partial(Handler, directory=str(folder))
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        self.httpd.daemon_threads = True
-        self.base = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("served")

@@ -19,9 +19,10 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from cvl.errors import CvlError
 
@@ -149,3 +150,39 @@ class Prefetcher:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def configure_io(concurrency: int = 0, cache: str | None = None, gb: float = 0.0) -> None:
+    """A command's I/O settings for itself and the loader workers it forks: remote ranges in
+    flight (`CVL_IO_CONCURRENCY`; 0 keeps the default) and the shard cache."""
+    if concurrency:
+        os.environ["CVL_IO_CONCURRENCY"] = str(int(concurrency))
+    configure(cache, gb or None)
+
+
+def prefetching(dataset: Any, batches: Iterable[list], ahead: int = 32) -> Iterator[list]:
+    """`batches` as they are, the shards at URLs of the `ahead` batches after each queued for
+    the shard cache (a `Prefetcher`); unchanged without a cache."""
+    if cache_dir() is None:
+        yield from batches
+        return
+    from collections import deque
+
+    import numpy as np
+
+    from cvl.data.index import _ROW, TABLE, Entries, is_remote
+
+    pre = Prefetcher()
+    window: deque = deque()
+    try:
+        for b in batches:
+            window.append(b)
+            if isinstance(dataset.entries, Entries):
+                ids = dataset.entries.ids([i if isinstance(i, int) else i[0] for i in b])
+                urls = [TABLE.paths[int(s)] for s in np.unique(ids // _ROW)]
+                pre.ahead(u for u in urls if is_remote(u))
+            if len(window) > ahead:
+                yield window.popleft()
+        yield from window
+    finally:
+        pre.close()

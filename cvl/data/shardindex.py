@@ -314,13 +314,13 @@ def ensure_indexed(
         by_folder.setdefault(os.path.dirname(index_files(shards[i])[1]), []).append(i)
     for folder, group in by_folder.items():
         with _folder_lock(folder):  # one process per node indexes; the others wait, then reuse
-            todo = [i for i in group if force or local_summary(shards[i]) is None]
+            todo = [i for i in group if force or local_summary(shards[i], full) is None]
             for i, d in zip(todo, _build([shards[i] for i in todo])):
                 out[i] = d
             for i in group:
                 out[i] = out[i] or local_summary(shards[i]) or _fail(shards[i])
     said = [shards[i] for i in stale if shards[i] in REBUILT]
-    if said and not force:
+    if said and not (force or full):  # (`cvl index` names them itself)
         print(
             f"note: re-indexed {len(said)} shard(s) whose index no longer matched the tar "
             f"(first: {said[0]}: {REBUILT[said[0]]})",
@@ -369,12 +369,13 @@ def write_stream_summary(folder: str | os.PathLike, shards: dict[str, str]) -> P
     """Write ``folder/shards.idx.json`` from the summaries of `shards` ({name as stream.json
     lists it: local path}); nothing when a shard has no index yet (`cvl index` writes it)."""
     summaries = {}
+    out = Path(folder) / STREAM_SUMMARY
     for name, path in shards.items():
-        d = read_summary(path)
+        d = None if is_remote(path) else read_summary(path)
         if d is None:
+            out.unlink(missing_ok=True)  # never one that no longer describes the shards
             return None
         summaries[name] = {k: v for k, v in d.items() if k != "schema"}
-    out = Path(folder) / STREAM_SUMMARY
     _atomic_write(
         str(out), json.dumps({"schema": STREAM_SCHEMA, "shards": summaries}).encode("utf-8")
     )

@@ -448,7 +448,9 @@ def load_manifest(stream: str | os.PathLike, check_files: bool = True) -> Manife
             d = json.loads(read_bytes(f"{url}/{MANIFEST}"))
         except ValueError as e:
             raise CvlError(f"{url}/{MANIFEST}: not a stream manifest ({e})") from None
-        return manifest_from_json(d, root=url)
+        m = manifest_from_json(d, root=url)
+        _preload_index(m)
+        return m
     p = Path(stream)
     if p.is_dir():
         mpath = p / MANIFEST
@@ -480,6 +482,35 @@ def load_manifest(stream: str | os.PathLike, check_files: bool = True) -> Manife
         check_sources(m)
         check_inside(m)
     return m
+
+
+def shard_names(m: Manifest) -> list[str]:
+    """Every shard the manifest lists (train, eval sets, benchmarks), as it lists them."""
+    names = [s for t in m.task_order for s in m.tasks[t].train.shards]
+    names += [s for es in m.eval_sets.values() for ss in es.tasks.values() for s in ss.shards]
+    names += [s for b in m.benchmarks.values() for s in b.shards.shards]
+    return list(dict.fromkeys(names))
+
+
+def _preload_index(m: Manifest) -> None:
+    """A served stream's shard summaries from its ``shards.idx.json``: one request at start,
+    whatever the number of shards (without it, the shards' own summaries are fetched in
+    parallel when first used)."""
+    from cvl.data.remote import fetch_whole
+    from cvl.data.shardindex import STREAM_SUMMARY, preload
+
+    raw = fetch_whole([f"{m.root}/{STREAM_SUMMARY}"], missing_ok=True)[0]
+    if raw is not None:
+        preload({n: str(m.resolve(n)) for n in shard_names(m)}, raw)
+
+
+def write_index_summary(m: Manifest, folder: str | os.PathLike) -> Path | None:
+    """Write ``folder/shards.idx.json`` (every shard's index summary, for a copy of the stream
+    served at a URL); nothing when a shard has no index yet (`cvl index STREAM` writes it)."""
+    from cvl.data.shardindex import write_stream_summary
+
+    root = Path(folder)
+    return write_stream_summary(root, {n: str(m.resolve(n)) for n in shard_names(m)})
 
 
 def _source_roots(root: Path, sources: list[dict[str, Any]], seen: set[Path]) -> list[Path]:
@@ -574,6 +605,7 @@ def save_manifest(m: Manifest, folder: str | os.PathLike) -> Path:
     manifest_from_json(d)  # refuse to write something we could not read back
     path = Path(folder) / MANIFEST
     write_json(path, d)
+    write_index_summary(manifest_from_json(d, root=Path(folder).absolute()), folder)
     return path
 
 

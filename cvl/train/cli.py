@@ -52,6 +52,9 @@ _OPTS = [
     "tune",
     "workers",
     "shuffle_block",
+    "io_concurrency",
+    "shard_cache",
+    "shard_cache_gb",
     "checkpoint_every",
     "log_every",
     "log_with",
@@ -256,7 +259,38 @@ _OPTS = [
     help="Epoch order: 1 = every sample shuffled over the task; K > 1 = shard-local: blocks of "
     "K neighbouring samples (of one shard) are shuffled and read together, and the samples "
     "inside each block, for storage where random reads are slow (object stores, network file "
-    "systems). The same batches on any number of processes; recorded in run.json.",
+    "systems: a stream at a URL is then fetched by runs of K samples, ~1/K requests a sample). "
+    "Blocks are re-cut and re-keyed every epoch, but a global batch of B draws from only "
+    "~max(1, B/K) runs of neighbouring samples (1-2 when K >= B): its negatives come from few "
+    "shards; the log says how many. The same batches on any number of processes; recorded in "
+    "run.json.",
+)
+@click.option(
+    "--io-concurrency",
+    type=LIMITS["io_concurrency"],
+    default=0,
+    show_default=True,
+    help="Streams at URLs (http(s)://, s3://, gs://): byte ranges in flight together per loader "
+    "process (each worker's batch is read at once, so latency is paid once a batch); 0 = 64. "
+    "Raise it for high-latency stores or large per-process batches; lower it for a server that "
+    "limits connections. Changes no result.",
+)
+@click.option(
+    "--shard-cache",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Streams at URLs: a local folder where whole shards are fetched once per node (one "
+    "streamed request each) and read from then on, the shards of coming batches fetched ahead; "
+    "for a server that ignores byte ranges, or to read a task many times. Pays off when it can "
+    "hold the task's shards, or with --shuffle-block. Changes no result.",
+)
+@click.option(
+    "--shard-cache-gb",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="The --shard-cache folder's size bound in GB (0 = 64); the shards used longest ago "
+    "are removed past it.",
 )
 @click.option(
     "--checkpoint-every",

@@ -63,6 +63,14 @@ class TrainConfig:
     tune_args: dict[str, Any] = field(default_factory=dict)  # rank, alpha, targets, bn_stats
     workers: int = -1  # loader processes per training process: -1 = from the CPU count, 0 = none
     shuffle_block: int = 1  # 1 = a global shuffle; K > 1 = shard-local blocks of K (data.order)
+    # the block order: "recut" (blocks re-cut and keyed per epoch) or "fixed" (runs started
+    # before re-cutting existed resume with it; not a CLI option)
+    block_order: str = "recut"
+    io_concurrency: int = 0  # remote ranges in flight per loader process (0: the default, 64)
+    shard_cache: str | None = (
+        None  # a local folder caching whole remote shards (cvl.data.shardcache)
+    )
+    shard_cache_gb: float = 0.0  # its size bound (0: the default, 64 GB)
     checkpoint_every: int = 50  # optimizer steps between mid-task checkpoints (0 = per task only)
     log_every: int = 10  # optimizer steps per train_log.jsonl line (each averages its steps)
     log_with: str = "auto"  # auto (tensorboard if installed) | tensorboard | wandb | none
@@ -241,6 +249,7 @@ LIMITS: dict[str, Num] = {
     "buffer_size": NON_NEGATIVE_INT,
     "workers": WORKERS,
     "shuffle_block": POSITIVE_INT,
+    "io_concurrency": NON_NEGATIVE_INT,
     "checkpoint_every": NON_NEGATIVE_INT,
     "log_every": POSITIVE_INT,
     "max_steps_per_task": NON_NEGATIVE_INT,
@@ -258,6 +267,9 @@ LIMITS: dict[str, Num] = {
 NON_RESULT_KEYS = {
     "out",
     "workers",
+    "io_concurrency",
+    "shard_cache",
+    "shard_cache_gb",
     "checkpoint_every",
     "log_every",
     "log_with",

@@ -33,12 +33,14 @@ import torch
 from cvl.data.augment import device_images, train_transform
 from cvl.data.index import Entries
 from cvl.data.mixture import build_mixture, task_data
+from cvl.data.order import block_note
 from cvl.data.reader import (
     PairDataset,
     default_workers,
     make_loader,
     sample_seed,
 )
+from cvl.data.shardcache import configure_io, prefetching
 from cvl.device import drop_optimizers, nondeterministic_ops_stop
 from cvl.dist import GradReducer
 from cvl.errors import CvlError
@@ -107,6 +109,7 @@ class Trainer(RunFolder, NonFiniteGuards, TrainerServices):
                 "sub-encoders); use a plain multi-GPU config with --precision bf16, "
                 "--grad-checkpointing and --grad-accum (docs/scaling.md)"
             )
+        configure_io(cfg.io_concurrency, cfg.shard_cache, cfg.shard_cache_gb)  # before any read
         self.manifest: Manifest = load_manifest(cfg.stream)
         # set before anything reads them: run.json's stream plan indexes the tasks' entries
         self._entries: dict[str, Entries] = {}
@@ -364,14 +367,18 @@ class Trainer(RunFolder, NonFiniteGuards, TrainerServices):
         gb = cfg.batch_size * acc.num_processes
         seed_task = sample_seed(cfg.seed, ti)
         block = int(cfg.shuffle_block or 1)
-        data = self._task_data = task_data(self.method, self.mixture, ctx, gb, seed_task, block)
+        order = -block if block > 1 and cfg.block_order == "fixed" else block  # cvl.data.order
+        data = self._task_data = task_data(self.method, self.mixture, ctx, gb, seed_task, order)
         ds = PairDataset(
             data.entries,
             transform=train_transform(self.model.image_size, cfg.augment, acc.device),
             tokenize=self.model.tokenizer,
             skipped=Counter(self.skipped.get(name, {})),
             name=f"task {name}",
+            window=block,
         )
+        if block > 1 and ti == self.indices[0] and acc.is_main_process:
+            acc.print(block_note(block, gb, cfg.block_order))
         steps = plan_steps(len(ds), cfg, acc.num_processes, data.per_epoch)  # cvl.train.plan
         check_plan(steps, name, cfg, stop_on_zero_steps=False)
         if steps.min_rows == 1 and needs_two_rows(self.model, acc.device):
@@ -426,7 +433,7 @@ class Trainer(RunFolder, NonFiniteGuards, TrainerServices):
         batches = iter(
             make_loader(
                 ds,
-                plan(),
+                prefetching(ds, plan()),  # --shard-cache: the coming batches' shards
                 acc.process_index,
                 acc.num_processes,
                 self.workers,

@@ -162,7 +162,10 @@ class RunFolder:
             rj.unlink()
         if rj.is_file() and not restart:
             old = read_json(rj)
-            diff = config_diff(old.get("config", {}), cfg.to_json())
+            oc = old.get("config", {})
+            if "block_order" not in oc and int(oc.get("shuffle_block", 1) or 1) > 1:
+                oc["block_order"] = cfg.block_order = "fixed"  # begun before blocks were re-cut
+            diff = config_diff(oc, cfg.to_json())
             if old.get("stream", {}).get("fingerprint") != self.manifest.fingerprint:
                 diff.append("stream: content differs (name, seed, task order or counts)")
             elif old.get("stream", {}).get("manifest_sha256", _manifest_sha(self.manifest)) != (

@@ -19,6 +19,7 @@ naming the URL and the bytes (`CvlError`). None of them is ever taken for a bad 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
 import re
 import resource
@@ -128,15 +129,31 @@ class _Short(Exception):
 
 
 _STATE: dict[str, Any] = {"pid": -1}
+_INHERITED: list[dict[str, Any]] = []
 
 
 def _loop() -> Any:
     import fsspec.asyn
 
     if _STATE["pid"] != os.getpid():  # a forked worker: its own loop, sessions, filesystems
+        # the parent's are kept, never collected here: closing them in the child would shut
+        # connections the parent still uses (its next request would hang)
+        _INHERITED.append(dict(_STATE))
         _STATE.clear()
         _STATE.update(pid=os.getpid(), fs={}, session=None, sem=None)
     return fsspec.asyn.get_loop()
+
+
+@atexit.register
+def _close_session() -> None:
+    """This process's HTTP session, closed at exit (not a forked child's inherited one)."""
+    if _STATE.get("pid") == os.getpid() and _STATE.get("session") is not None:
+        import fsspec.asyn
+
+        try:
+            fsspec.asyn.sync(fsspec.asyn.get_loop(), _STATE["session"].close, timeout=5)
+        except Exception:  # noqa: BLE001 (the loop may be gone at exit: nothing to save)
+            pass
 
 
 def _fs(proto: str) -> Any:

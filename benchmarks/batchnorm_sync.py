@@ -58,7 +58,6 @@ def _logs(run: Path) -> list[dict]:
 
 
 def _compare(one: Path, two: Path) -> dict:
-    import torch
     from safetensors.torch import load_file
 
     from cvl.runs import finished_tasks

@@ -81,7 +81,7 @@ class TrainConfig:
     compile: bool = False  # torch.compile the model's forward (training step only)
     device: str = "auto"  # auto | cpu | cuda | cuda:N (cvl.device); multi-process: auto|cuda|cpu
     deterministic: bool | None = None  # bit-reproducible kernels; None = per device (cvl.device)
-    sync_bn: str = "auto"  # BatchNorm statistics over the global batch: auto|on|off (train.batchnorm)
+    sync_bn: str = "auto"  # BatchNorm statistics of N processes: auto | on | off (batchnorm)
     budget: str | None = None  # samples=N | tflops=N | maf=N [/task] (cvl.train.budget)
     budget_args: dict[str, Any] = field(default_factory=dict)  # split, extras, rounding, ...
     mixture: str | None = None  # task=A,buffer=B,pretrain=C shares of each batch (cvl.data.mixture)

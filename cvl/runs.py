@@ -4,7 +4,8 @@ runs/RUN/
   run.json                      {"schema": "cvl.run/1", "config": {...resolved config...},
                                  "model": model.config(), "stream": {path, name, task_order,
                                  fingerprint}, "versions": {...}, "processes": N,
-                                 "runtime": {device, deterministic, deterministic_source},
+                                 "runtime": {device, deterministic, deterministic_source,
+                                 optimizer_impl, batchnorm_statistics (--sync-bn)},
                                  "earlier_runtimes": [earlier sessions' runtimes that differ],
                                  "cost": totals over the finished tasks (cvl.train.cost)}
   tasks/NN-<task>/model.safetensors      weights after task NN (safetensors, no pickle)

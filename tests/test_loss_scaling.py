@@ -157,3 +157,83 @@ def test_the_importance_pass_scales_its_loss_as_a_training_step(init, backoff):
     (f,) = importance_pass(model, iter([{"x": torch.tensor([1.0, 0.5])}]), objective, ctx)
     assert f.tolist() == [2.0**-60, 2.0**-62]
     assert scaler.get_scale() == init  # read, not updated: the pass is no training step
+
+
+@pytest.mark.parametrize("init, backoff", [(2.0**16, 0.5), (2.0**127, 2.0**-110)])
+def test_incclip_generation_scales_its_loss_as_a_training_step(init, backoff, monkeypatch):
+    """IncCLIP's pseudo-text SGD back-propagates at the loop's loss scale (issue 52 item 7),
+    as the importance passes do. A stand-in text tower whose feature passes through a float16
+    activation y = Σ ē (one feature, s = 2⁻³⁰·y < s_min, one memory image): dL/dy = −2⁻³⁰,
+    below float16's smallest subnormal, flushes to 0 unscaled (the pseudo text would not
+    move); at S = 2¹⁶ (or 2¹²⁷ backed off to 2¹⁷) it is exact, so one SGD step at lr 2²⁰
+    moves every optimised entry by +2⁻¹⁰, exactly. The loop's scaler is read, not updated."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import cvl.methods.incclip as incclip_mod
+    from cvl.methods.base import frozen_copy
+    from cvl.models import build_model
+
+    def tower(model, x, tokens, normalize=True, length=None):
+        y = x.sum(dim=(1, 2)).half()  # a float16 activation, as under fp16 autocast
+        return (y.float() * 2.0**-30)[:, None]
+
+    monkeypatch.setattr(incclip_mod, "encode_text_embeds", tower)
+    old = frozen_copy(build_model("clip", "tiny"))
+    scaler = torch.amp.GradScaler("cpu", init_scale=init, backoff_factor=backoff)
+    acc = SimpleNamespace(scaler=scaler, autocast=contextlib.nullcontext, num_processes=1)
+
+    def generate(steps: int) -> dict:
+        m = incclip_mod.IncCLIP({"n_pseudo": 2, "gen_steps": steps, "gen_lr": 2.0**20})
+        m.old, m.mem_features = old, torch.ones(1, 1)
+        m.mem_tokens = old.tokenizer(["a red circle"])
+        ctx = SimpleNamespace(
+            accelerator=acc,
+            generator=torch.Generator().manual_seed(0),
+            config=SimpleNamespace(batch_size=1),
+            device=torch.device("cpu"),
+        )
+        m.before_step(ctx)
+        return m.pseudo
+
+    start, moved = generate(0), generate(1)
+    n = moved["length"]
+    assert float(moved["loss0"]) == pytest.approx(0.2, abs=1e-6)  # s ≈ 0: s_min − s
+    assert torch.equal(moved["embeds"][:, :n], start["embeds"][:, :n] + 2.0**-10)
+    assert torch.equal(moved["embeds"][:, n:], start["embeds"][:, n:])
+    assert scaler.get_scale() == init  # read, not updated
+
+
+def test_scaled_grads_lets_ranks_with_different_data_agree_on_the_scale(monkeypatch):
+    """`agree`: another rank's overflow (the all_reduce's MIN of the finite flags) makes this
+    rank redo its finite pass at the backed-off scale too, as one process holding both ranks'
+    data would; each try is one all_reduce of one flag."""
+    import cvl.methods.scaling as scaling
+
+    calls = []
+
+    def all_reduce(t, op=None):
+        calls.append(float(t))
+        if len(calls) == 1:
+            t.zero_()  # the other rank overflowed at the first scale
+
+    monkeypatch.setattr(scaling, "world_size", lambda: 2)
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    scales = []
+    x = torch.tensor([3.0], requires_grad=True)
+
+    def loss_of():
+        return (x * 2.0).sum()
+
+    def grads_of(loss):
+        scales.append(float(loss.detach() / 6.0))
+        return list(torch.autograd.grad(loss, x))
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, backoff_factor=0.5)
+    (g,) = scaling.scaled_grads(loss_of, grads_of, scaler, agree=True)
+    assert scales == [2.0**16, 2.0**15] and calls == [1.0, 1.0]
+    assert g.tolist() == [2.0]
+    calls.clear()
+    scales.clear()
+    scaling.scaled_grads(loss_of, grads_of, scaler, agree=False)  # ranks already agree
+    assert scales == [2.0**16] and calls == []

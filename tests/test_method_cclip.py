@@ -4,6 +4,7 @@ and the per-task LoRA kept separate (FoMo's average of the stored adapters, the 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -139,6 +140,31 @@ def test_cclip_embeddings_false_trains_the_lora_alone(synth_stream, tmp_path):
     w = load_file(str(finished_tasks(run)[0].model_path))
     assert all(torch.equal(w[k], init[k]) for k in w if "embedding" in k)
     assert any(not torch.equal(w[k], init[k]) for k in w)
+
+
+def test_cclip_logit_scale_option_trains_it_as_koyoimai_now_does(synth_stream, tmp_path):
+    """`logit_scale=true` (KoyoImai's code since 2026-03-05): the logit scale trains beside
+    the embeddings and the LoRA, directly (θ^0 keeps its trained value, not scaled by α); the
+    default keeps it frozen (test_alpha_integrates_half_the_task_delta); a model without a
+    logit scale parameter (fusion: fixed 0.07) is refused in one line."""
+    from cvl.models import build_model
+    from cvl.models.tune import Tuning
+
+    model = build_model("clip", "tiny-vit")
+    Tuning("lora").apply(model, 0, CCLIP({"logit_scale": True}).tune_also)
+    plain = {n for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n}
+    assert "clip.logit_scale" in plain and "clip.text_projection" not in plain
+    run = tmp_path / "r"
+    train_run(
+        synth_stream, run, SHORT, method="cclip", tune="lora", method_args={"logit_scale": True}
+    )
+    init = load_file(str(run / "init" / "model.safetensors"))["clip.logit_scale"]
+    after = load_file(str(finished_tasks(run)[0].model_path))["clip.logit_scale"]
+    assert not torch.equal(init, after)
+    with pytest.raises(CvlError, match="logit_scale=true .* has none to train"):
+        CCLIP({"logit_scale": True}).setup(
+            SimpleNamespace(model=build_model("fusion", "tiny"), config=SimpleNamespace(seed=0))
+        )
 
 
 def test_cclip_needs_an_adapter_mode(synth_stream, tmp_path):

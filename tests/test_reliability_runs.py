@@ -29,17 +29,18 @@ def _train_command() -> click.Command:
 
 # One tiny new run per row; together they hold every value of every choice option of
 # `cvl train` (checked against click's choices by the test below, so a new value needs a
-# run). --buffer's None is no buffer. Values no run can take here: CPU_REFUSED.
+# run). --buffer's None is no buffer. Values no run can take here: CPU_REFUSED. --sync-bn
+# acts with several processes only: tests/test_batchnorm_sync.py trains 2 processes with it.
 RUNS = [
     {"model": "fusion", "optimizer": "adamw", "lr_schedule": "cosine", "precision": "no",
      "augment": "openclip", "buffer": "reservoir", "tune": "full", "log_with": "none",
-     "base_loss": "itc", "select": "auto"},
+     "base_loss": "itc", "select": "auto", "sync_bn": "on"},
     {"model": "clip", "optimizer": "lamb", "lr_schedule": "stream-cosine", "precision": "bf16",
      "augment": "ctp", "buffer": "ring", "tune": "lora", "log_with": "auto",
-     "base_loss": "class-ce", "select": "last"},
+     "base_loss": "class-ce", "select": "last", "sync_bn": "off"},
     {"model": "clip", "optimizer": "adamw", "lr_schedule": "cosine-fomo", "precision": "no",
      "augment": "none", "buffer": "kmeans", "tune": "dora", "log_with": "none",
-     "base_loss": "itc", "select": "best-val"},
+     "base_loss": "itc", "select": "best-val", "sync_bn": "auto"},
     {"model": "clip", "optimizer": "lamb", "lr_schedule": "cosine-ar", "precision": "no",
      "augment": "openclip", "buffer": "mof", "tune": "vera", "log_with": "wandb",
      "base_loss": "class-ce", "select": "auto"},

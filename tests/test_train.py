@@ -371,6 +371,7 @@ def test_device_and_determinism_are_recorded_and_may_change_on_resume(
         "deterministic": True,
         "deterministic_source": "default",
         "optimizer_impl": "default",  # the CPU keeps torch's for-loop AdamW
+        "batchnorm_statistics": "one process",  # the tiny ResNet CLIP (--sync-bn)
     }
     assert run["config"]["device"] == "cpu" and run["config"]["deterministic"] is None
     assert run["earlier_runtimes"] == []
@@ -393,6 +394,7 @@ def test_device_and_determinism_are_recorded_and_may_change_on_resume(
             "deterministic": True,
             "deterministic_source": "default",
             "optimizer_impl": "default",
+            "batchnorm_statistics": "one process",
         }
     ]
     assert not torch.are_deterministic_algorithms_enabled()

@@ -46,12 +46,22 @@ re-implementations transcribe them, and they differ where marked:
   embeddings of both towers (open_clip's `token_embedding`, `positional_embedding`,
   `visual.class_embedding`, `visual.positional_embedding`; a ResNet tower's attention-pool
   positional embedding too), trained directly. The paper's discussion of its Table 6 says most
-  of C-CLIP's trainable parameters are embedding layers; KoyoImai trains exactly these
-  (`CCLIP.__init__`, citing the paper's §5.2) and leaves the projections and the logit scale
-  frozen, as here (the paper names embedding layers only). The official code, which would
-  settle it, could not be read. Their update is not scaled by α (KoyoImai's `merge_lora`
-  scales only the LoRA deltas): θ^t keeps the task's trained embeddings. `embeddings=false`:
-  the LoRA alone trains (cvl's other adapter methods' rule: embeddings are never adapted).
+  of C-CLIP's trainable parameters are embedding layers; KoyoImai trains these (`CCLIP.__init__`,
+  citing the paper's §5.2) and leaves the projections (`text_projection`, `visual.proj`)
+  frozen, as here. Their update is not scaled by α (KoyoImai's `merge_lora` scales only the
+  LoRA deltas): θ^t keeps the task's trained embeddings. `embeddings=false`: the LoRA alone
+  trains (cvl's other adapter methods' rule: embeddings are never adapted).
+- The logit scale (`logit_scale`, default false). KoyoImai's code trains CLIP's logit scale
+  too since its commit 2f0a559 (2026-03-05: `"logit_scale"` joins the trainable names in
+  `c_clip/model.py`; earlier versions had it commented out, and an earlier version of this
+  docstring said it stays frozen there, which is no longer true). The paper names embedding
+  layers only and the official code could not be read, so the default keeps it frozen (what
+  runs made before the option trained); `logit_scale=true` trains it as KoyoImai does now:
+  directly (not through the LoRA, not scaled by α), with the base loss's temperature
+  following it. Two differences remain: cvl never decays a scalar (KoyoImai's AdamW decays
+  every parameter, 0.2) and it learns at `--lr` (KoyoImai: the text group's rate, 10× the
+  image one). Only the `clip` model has a logit scale to train (the fusion model's
+  temperature is fixed at 0.07): with `--model fusion` the option is refused.
 - Not taken from either: their LoRA placement (q/v and MLP of each block) — cvl's `--tune lora`
   targets every linear weight by default (`--tune-arg targets=` narrows it); their per-tower
   learning rates (text 10× image, appendix A.2) — cvl has one `--lr`.
@@ -80,6 +90,8 @@ LAYOUTS = ("concat", "stack")
 #: the embedding layers C-CLIP trains beside its LoRA (`embeddings=true`; module docstring)
 EMBEDDINGS = ("*token_embedding.weight", "*positional_embedding", "*class_embedding")
 PROJECTORS = ("mlp", "linear")
+#: the CLIP temperature parameter KoyoImai's code trains beside them (`logit_scale=true`)
+LOGIT_SCALE = "*logit_scale"
 
 
 def ckc_loss(
@@ -160,6 +172,7 @@ class CCLIP(Method):
         "first_task": True,
         "projector_reset": False,
         "embeddings": True,
+        "logit_scale": False,
     }
     tunes = ("lora", "vera")
 
@@ -173,7 +186,8 @@ class CCLIP(Method):
             raise CvlError(f"method 'cclip': hidden must be >= 0 (got {self.args['hidden']})")
         self.old: nn.Module | None = None
         self.projector: Projector | None = None
-        self.tune_also = EMBEDDINGS if self.args["embeddings"] else ()
+        also = EMBEDDINGS if self.args["embeddings"] else ()
+        self.tune_also = also + (LOGIT_SCALE,) if self.args["logit_scale"] else also
 
     def _seed(self, ctx: TaskContext, task: int) -> torch.Generator:
         from cvl.data.reader import sample_seed
@@ -181,6 +195,13 @@ class CCLIP(Method):
         return torch.Generator().manual_seed(sample_seed(int(ctx.config.seed), task, 547))
 
     def setup(self, ctx: TaskContext) -> None:
+        if self.args["logit_scale"] and not any(
+            n.split(".")[-1] == "logit_scale" for n, _ in ctx.model.named_parameters()
+        ):
+            raise CvlError(
+                "method 'cclip': logit_scale=true trains the model's logit scale, and this "
+                "model has none to train (the fusion model's temperature is fixed at 0.07)"
+            )
         p = Projector(self.args["projector"], int(ctx.model.embed_dim), self.args["hidden"])
         p.reset(self._seed(ctx, 0))
         dtype = next(ctx.model.parameters()).dtype

@@ -69,6 +69,15 @@ Choices, where the paper is silent, ambiguous, or METHODS.md reads differently:
   generates all B̂ (identical, slower). Real-text matrices are built over the global batch.
 - Only the `clip` model (an open_clip text transformer) is supported: the pseudo texts live
   in its token-embedding space.
+- Precision: the old text tower runs in the training precision (`--precision`); the cosines
+  and margins of Eq. 1 in float32. Under fp16 each SGD step back-propagates at the loop's loss
+  scale and unscales after, as the training step and the importance passes do (one mechanism,
+  `cvl.methods.scaling`; a pass whose gradients overflow is redone at a lower scale; when
+  ranks split the pseudo texts they choose that scale together). Measured on the CPU's float16
+  autocast (`benchmarks/incclip_fp16.py`, random ViT-B-16, 16 pseudo texts, 256 memory
+  images): 1.6 % of the gradient's entries lie in float16's subnormal range, and its error
+  against float32 is 3.6e-3 unscaled, 1.6e-3 scaled. Each try reads one flag from the device
+  (fp16 only).
 
 Cost (task t > 0, per optimizer step): `gen_steps` forward+backward passes and one forward
 of the old text tower over the `n_pseudo` pseudo texts, plus one forward+backward of the
@@ -96,6 +105,7 @@ s_ik after generation).
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -109,6 +119,7 @@ from cvl.errors import CvlError
 from cvl.losses import global_logits
 from cvl.methods.base import PreviousModelMethod, TaskContext, step_autocast
 from cvl.methods.registry import register
+from cvl.methods.scaling import loop_scaler, scaled_grads
 
 # -- open_clip text tower from token embeddings ------------------------------------------------
 
@@ -233,6 +244,51 @@ def _init_pseudo(
     return e.float(), struct
 
 
+def margin_forward(
+    old: Any, e: torch.Tensor, tokens: torch.Tensor, u: torch.Tensor, s_min: float, s_max: float
+) -> dict[str, torch.Tensor]:
+    """Eq. 1 for token embeddings `e` [K, n, W] (pooled like `tokens` [K, n]) against the
+    normalised image features `u` [B, D]: the old model's features `v` [K, D], cosines `s`
+    [K, B], per-text losses `lg` [K]. The tower runs under the caller's autocast; the cosines
+    and margins in float32 (under fp16 a sum of K losses would round, or overflow once
+    multiplied by a loss scale)."""
+    v = encode_text_embeds(old, e, tokens, length=e.shape[1]).float()
+    with torch.autocast(v.device.type, enabled=False):
+        s = v @ u.float().t()
+        return {"v": v, "s": s, "lg": margin_loss(s, s_min, s_max)}
+
+
+def _grads_wrt(x: torch.Tensor, loss: torch.Tensor) -> list[torch.Tensor]:
+    return list(torch.autograd.grad(loss, x))
+
+
+def margin_gradient(
+    old: Any,
+    e: torch.Tensor,
+    tokens: torch.Tensor,
+    u: torch.Tensor,
+    s_min: float,
+    s_max: float,
+    scaler: Any = None,
+    agree: bool = False,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """∂ Σ_k L_G(k) / ∂e (one SGD step's gradient; each text's loss is its own) and the
+    forward's `margin_forward` values. `scaler` (fp16: the loop's GradScaler,
+    `cvl.methods.scaling.loop_scaler`): back-propagated at the loop's loss scale and
+    unscaled, as the training step's gradients; `agree`: ranks generating different texts
+    choose that scale together (`scaled_grads`)."""
+    x = e.detach().requires_grad_(True)
+    fwd: dict[str, torch.Tensor] = {}
+
+    def loss_of() -> torch.Tensor:
+        fwd.update(margin_forward(old, x, tokens, u, s_min, s_max))
+        return fwd["lg"].sum()
+
+    with torch.enable_grad():
+        (g,) = scaled_grads(loss_of, partial(_grads_wrt, x), scaler, agree)
+    return g, fwd
+
+
 def generate_pseudo(
     old: Any,
     tokens: torch.Tensor,
@@ -245,44 +301,42 @@ def generate_pseudo(
     s_min: float,
     s_max: float,
     length: int | None = None,
+    scaler: Any = None,
+    agree: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Pseudo negative texts by SGD in the old model's token-embedding space (§3.2).
 
     `tokens` [B, L] / `image_features` [B, D] (normalised): the sampled memory pairs;
     `i`, `j`, `beta` [K]: the mixtures. Returns embeds [K, L, W] (detached), tokens [K, L]
     (pooling), length (positions up to the last pooled one: the only ones optimised and
-    encoded, see `pooled_length`; the rest keep their initial values), old_features [K, D] (the old model's features of the final embeddings) and the
-    mean L_G before / after (`loss0`, `loss`) and the final mean cosine (`cos`). `length`:
-    `pooled_length` of the mixtures' token ids when the caller knows it (from CPU copies: no
-    host sync); else it is computed here (one host sync on a GPU).
+    encoded, see `pooled_length`; the rest keep their initial values), old_features [K, D]
+    (the old model's features of the final embeddings) and the mean L_G before / after
+    (`loss0`, `loss`) and the final mean cosine (`cos`). `length`: `pooled_length` of the
+    mixtures' token ids when the caller knows it (from CPU copies: no host sync); else it is
+    computed here (one host sync on a GPU). `scaler`, `agree`: fp16's loss scaling of each
+    SGD step (`margin_gradient`).
     """
     e_full, struct = _init_pseudo(token_embedding(old), tokens, i, j, beta)
     n = (length if length is not None else pooled_length(old, struct)) or struct.shape[1]
     e = e_full[:, :n].clone()  # later positions: no effect on the features, zero gradient
     u = image_features.detach().float()
+    pooled = struct[:, :n]
     loss0 = None
-    with torch.enable_grad():
-        for step in range(steps + 1):
-            last = step == steps
-            e.requires_grad_(not last)
-            with torch.set_grad_enabled(not last):
-                v = encode_text_embeds(old, e, struct[:, :n], length=n).float()
-                s = v @ u.t()
-                lg = margin_loss(s, s_min, s_max)
-            if loss0 is None:
-                loss0 = lg.detach().mean()
-            if last:
-                break
-            (g,) = torch.autograd.grad(lg.sum(), e)
-            e = (e - lr * g).detach()
+    for _ in range(steps):
+        g, fwd = margin_gradient(old, e, pooled, u, s_min, s_max, scaler, agree)
+        if loss0 is None:
+            loss0 = fwd["lg"].detach().mean()
+        e = (e - lr * g).detach()
+    with torch.no_grad():
+        fwd = margin_forward(old, e, pooled, u, s_min, s_max)
     return {
-        "embeds": torch.cat([e.detach(), e_full[:, n:]], dim=1),
+        "embeds": torch.cat([e, e_full[:, n:]], dim=1),
         "tokens": struct,
         "length": n,
-        "old_features": v.detach(),
-        "loss0": loss0,
-        "loss": lg.detach().mean(),
-        "cos": s.detach().mean(),
+        "old_features": fwd["v"].detach(),
+        "loss0": fwd["lg"].mean() if loss0 is None else loss0,
+        "loss": fwd["lg"].detach().mean(),
+        "cos": fwd["s"].detach().mean(),
     }
 
 
@@ -483,6 +537,8 @@ class IncCLIP(PreviousModelMethod):
                 a["s_min"],
                 a["s_max"],
                 length=length,
+                scaler=loop_scaler(ctx),  # fp16: the training step's loss scale
+                agree=split,
             )
         out["split"] = split
         self.pseudo = out

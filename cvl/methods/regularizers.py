@@ -44,6 +44,7 @@ from torch import nn
 from cvl.dist import average_gradients
 from cvl.errors import CvlError
 from cvl.methods.base import Method, TaskContext, base_loss, state_mismatch
+from cvl.methods.scaling import loop_scaler, scaled_grads
 
 Tensors = list[torch.Tensor]
 
@@ -124,7 +125,7 @@ def importance_pass(
     Trainable parameters only; the model runs in eval mode; its gradients are cleared after.
     Each batch re-seeds `ctx.generator` (MLM masking) from the run seed, task and batch index.
     The objective runs under the step's autocast; under fp16 (a GradScaler) it back-propagates
-    loss scaled (`_scaled_backward`), so small gradients do not flush to zero in float16.
+    loss scaled (`cvl.methods.scaling`), so small gradients do not flush to zero in float16.
     """
     from cvl.data.reader import sample_seed
 
@@ -167,26 +168,17 @@ def importance_pass(
 def _scaled_backward(
     run: Callable[[], torch.Tensor], params: list[torch.Tensor], ctx: TaskContext
 ) -> None:
-    """Rank-averaged gradients of `run()`'s loss in `params`. Under fp16 (the loop's
-    GradScaler enabled) the loss is multiplied by the scaler's scale S before the backward
-    and the gradients divided by S after, as the training step's are; where they overflow
-    (on any rank) the batch is redone at S·backoff (the scaler's rule; S ≥ 1; the averaged gradients, so every rank agrees). A power-of-two
-    S moves only exponents: in float32 the result is the unscaled one bit for bit. The loop's
-    scaler is read, never updated (the pass is no training step)."""
-    scaler = getattr(ctx.accelerator, "scaler", None) if ctx.accelerator is not None else None
-    if scaler is None or not scaler.is_enabled():
-        run().backward()
+    """Rank-averaged gradients of `run()`'s loss in `params` (`p.grad`), under fp16 at the
+    loop's loss scale (`cvl.methods.scaling.scaled_grads`; the averaged gradients are the
+    same on every rank, so every rank decides alike)."""
+
+    def averaged(loss: torch.Tensor) -> list[torch.Tensor | None]:
+        loss.backward()
         average_gradients(params)
-        return
-    scale = float(scaler.get_scale())
-    while True:
-        (run() * scale).backward()
-        average_gradients(params)
-        grads = [p.grad for p in params if p.grad is not None]  # the same on every rank
-        if scale <= 1.0 or not grads or all(bool(g.isfinite().all()) for g in grads):
-            break
-        scale = max(1.0, scale * scaler.get_backoff_factor())
-    torch._foreach_div_(grads, scale)
+        return [p.grad for p in params]
+
+    for p, g in zip(params, scaled_grads(run, averaged, loop_scaler(ctx))):
+        p.grad = g
 
 
 def note(ctx: TaskContext, name: str, msg: str) -> None:

@@ -67,6 +67,7 @@ _OPTS = [
     "compile",
     "device",
     "deterministic",
+    "sync_bn",
     "budget",
     "mixture",
     "pretrain_data",
@@ -429,6 +430,17 @@ _OPTS = [
     type=click.Path(),
     help="The mixture's pretraining source: a cvl stream folder (every task's training pairs, "
     "e.g. the stream CLIP_0 was trained on) or a folder of webdataset .tar shards.",
+)
+@click.option(
+    "--sync-bn",
+    default="auto",
+    show_default=True,
+    type=click.Choice(["auto", "on", "off"]),
+    help="BatchNorm statistics with several processes (models with BatchNorm: the tiny and RN "
+    "CLIPs): on = over the global batch, so N processes x batch B train as 1 x N*B (torch's "
+    "SyncBatchNorm on GPUs, cvl's all_gather of the statistics on the CPU); off = per process "
+    "(plain DDP); auto = on with CUDA, off elsewhere, with a note of the size of the effect "
+    "(docs/scaling.md). Recorded in run.json; a run without it is auto.",
 )
 @device_option
 @deterministic_option

@@ -89,6 +89,7 @@ class TrainConfig:
     compile: bool = False  # torch.compile the model's forward (training step only)
     device: str = "auto"  # auto | cpu | cuda | cuda:N (cvl.device); multi-process: auto|cuda|cpu
     deterministic: bool | None = None  # bit-reproducible kernels; None = per device (cvl.device)
+    sync_bn: str = "auto"  # BatchNorm statistics of N processes: auto | on | off (batchnorm)
     budget: str | None = None  # samples=N | tflops=N | maf=N [/task] (cvl.train.budget)
     budget_args: dict[str, Any] = field(default_factory=dict)  # split, extras, rounding, ...
     mixture: str | None = None  # task=A,buffer=B,pretrain=C shares of each batch (cvl.data.mixture)
@@ -136,6 +137,14 @@ class TrainConfig:
             )
         if self.deterministic is not None:
             self.deterministic = to_bool(self.deterministic, "--deterministic")
+        from cvl.train.batchnorm import SYNC_BN_CHOICES
+
+        if isinstance(self.sync_bn, bool):  # YAML 1.1 reads a bare on / off as a boolean
+            self.sync_bn = "on" if self.sync_bn else "off"
+        if self.sync_bn not in SYNC_BN_CHOICES:
+            raise CvlError(
+                f"--sync-bn must be one of {', '.join(SYNC_BN_CHOICES)}, got '{self.sync_bn}'"
+            )
         if self.fused_adamw is not None:
             self.fused_adamw = to_bool(self.fused_adamw, "--fused-adamw")
             if self.fused_adamw and self.optimizer != "adamw":

@@ -187,23 +187,14 @@ class Trainer(RunFolder, NonFiniteGuards, TrainerServices):
         return sample_seed(int(self.cfg.seed), ti, 29)
 
     def _sync_batchnorm(self) -> None:
-        """BatchNorm statistics over the global batch when several GPUs train (SyncBatchNorm).
+        """BatchNorm statistics over the global batch or per process (`--sync-bn`,
+        `cvl.train.batchnorm`); models without BatchNorm are unaffected."""
+        from cvl.train.batchnorm import sync_batchnorm
 
-        torch's SyncBatchNorm has no CPU kernel, so multi-process CPU runs keep per-process
-        statistics (as plain DDP does) and say so; models without BatchNorm are unaffected.
-        """
-        has_bn = any(
-            isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in self.model.modules()
-        )
-        if not has_bn or self.acc.num_processes == 1:
-            return
-        if self.acc.device.type == "cuda":
-            self.model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(self.model)
-        elif self.acc.is_main_process:
-            self.acc.print(
-                "note: the model has BatchNorm; on CPU its statistics are per process "
-                "(no SyncBatchNorm kernel), so N processes x batch B differ slightly from 1 x N*B"
-            )
+        n = self.acc.num_processes
+        self.model, note = sync_batchnorm(self.model, self.cfg.sync_bn, self.acc.device, n)
+        if note and self.acc.is_main_process:
+            self.acc.print(note)
 
     # -- the loop ----------------------------------------------------------------------------
 

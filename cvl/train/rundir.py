@@ -22,6 +22,7 @@ from cvl.io import atomic_dir, read_json, recover_dir, write_json
 from cvl.methods.base import TaskContext
 from cvl.runs import MODEL_FILE, RUN_JSON, RUN_SCHEMA, task_dir
 from cvl.streams.manifest import Manifest
+from cvl.train.batchnorm import batchnorm_statistics
 from cvl.train.checkpoint import load_state, load_torch, save_state, save_torch
 from cvl.train.config import config_diff
 from cvl.train.cost import summarize_run
@@ -95,6 +96,7 @@ class RunFolder:
             "deterministic": self.deterministic,
             "deterministic_source": "default" if self.cfg.deterministic is None else "option",
             "optimizer_impl": adamw_impl(self.cfg, self.acc.device),
+            "batchnorm_statistics": batchnorm_statistics(self.model, self.acc.num_processes),
         }
 
     def _note_runtime_change(self, old: dict[str, Any]) -> None:
@@ -102,7 +104,8 @@ class RunFolder:
         self._earlier_runtimes = list(old.get("earlier_runtimes") or [])
         self._notes: list[str] = getattr(self, "_notes", [])
         before, now = old.get("runtime"), self._runtime()
-        if not before or before == now:
+        # a key an older cvl did not record (batchnorm_statistics) is no change
+        if not before or all(now[k] == v for k, v in before.items() if k in now):
             return
         self._earlier_runtimes.append(before)
         if before.get("deterministic") != now["deterministic"]:  # said when it trains (commit)

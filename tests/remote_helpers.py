@@ -70,13 +70,16 @@ class RangeServer:
                 if not path.is_file():
                     self.send_error(404)
                     return
-                data = path.read_bytes()
-                size = len(data)
+                size = path.stat().st_size
                 m = re.match(r"bytes=(\d+)-(\d*)", rng or "")
                 code = 200
-                if m and not server.ignore_range:
-                    a, b = int(m[1]), int(m[2]) if m[2] else size - 1
-                    data, code = data[a : b + 1], 206
+                with open(path, "rb") as f:
+                    if m and not server.ignore_range:
+                        a, b = int(m[1]), min(size - 1, int(m[2]) if m[2] else size - 1)
+                        f.seek(a)
+                        data, code = f.read(b + 1 - a), 206
+                    else:
+                        data = f.read()
                 self.send_response(code)
                 if code == 206:
                     self.send_header("Content-Range", f"bytes {a}-{a + len(data) - 1}/{size}")

@@ -130,8 +130,9 @@ def test_every_epoch_order_is_a_permutation(n, block):
 
 
 def test_block_order_keeps_neighbours_together():
+    """The fixed blocks of runs begun before re-cutting (the re-cut order: test_remote.py)."""
     n, k = 1000, 10
-    got = permute(n, 7, np.arange(n), block=k)
+    got = permute(n, 7, np.arange(n), block=-k)
     blocks = got.reshape(-1, k) // k
     assert (blocks == blocks[:, :1]).all()  # each run of 10 positions reads one block
     assert sorted(blocks[:, 0].tolist()) == list(range(100))
@@ -231,4 +232,6 @@ def test_a_stream_built_before_indexes_still_trains(tmp_path, capsys):
         f.unlink()
     cli(["index", str(s)])  # ahead of time: every shard, train and eval
     assert "indexed" in capsys.readouterr().out
-    assert len(list(s.rglob("*.idx.json"))) == len(list(s.rglob("*.tar")))
+    shard_summaries = [p for p in s.rglob("*.idx.json") if p.name != "shards.idx.json"]
+    assert len(shard_summaries) == len(list(s.rglob("*.tar")))
+    assert (s / "shards.idx.json").is_file()  # the stream's summary, for a served copy

@@ -76,6 +76,17 @@ class _Table:
             return True
         return _stamp(shard) == self.stamps[sid]
 
+    def fetch_rows(self, sids: Iterable[int]) -> None:
+        """Bring the rows of the remote shards among `sids` not met yet into the node's index
+        cache together (a batch's first touch of many shards costs one round trip)."""
+        todo = [
+            s
+            for s in dict.fromkeys(int(x) for x in sids)
+            if s not in self.maps and self.counts[s] and is_remote(self.paths[s])
+        ]
+        if len(todo) > 1:
+            cached_rows([self.paths[s] for s in todo], [self.stamps[s] for s in todo])
+
     def rows(self, sid: int) -> np.ndarray:
         if self.pid != os.getpid():  # a forked loader worker: maps are per process
             self.maps, self.pid = OrderedDict(), os.getpid()
@@ -88,9 +99,9 @@ class _Table:
         if self.counts[sid] == 0:
             return np.zeros(0, row_dtype(1))  # (numpy cannot map an empty array)
         if is_remote(path):  # fetched once per node into the index cache, then mapped
-            npy = cached_rows(path, self.stamps[sid])
-        try:
-            m = np.load(npy, mmap_mode="r", allow_pickle=False)
+            npy = cached_rows([path], [self.stamps[sid]])[0]
+        try:  # a plain view of the map (np.memmap's indexing costs µs a call)
+            m = np.load(npy, mmap_mode="r", allow_pickle=False).view(np.ndarray)
         except (OSError, ValueError) as e:
             raise CvlError(
                 f"{path}: cannot read its index {npy} ({e}); rebuild it: {fix_command(path)}"

@@ -32,6 +32,7 @@ from cvl.errors import CvlError
 LOCAL_GAP = 4096  # bytes between two samples' ranges that one pread may span (local shards)
 REMOTE_GAP = 64 * 1024  # ... that one request may span (shards at URLs)
 MAX_RANGE = 64 << 20  # one request or pread holds at most this many bytes (merged ranges)
+_BIG = np.int64(2**62)
 WINDOW_ROWS = 256  # a window never holds more rows than this, whatever --shuffle-block says
 
 
@@ -65,7 +66,7 @@ def _window_budget() -> int:
 def _spans(img: np.ndarray, txt: np.ndarray, meta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Each sample's [start, end): from its first member's header to its last member's end."""
     has_meta = meta[:, 0] >= 0
-    big = np.iinfo(np.int64).max
+    big = _BIG
     first = np.minimum(np.minimum(img[:, 0], txt[:, 0]), np.where(has_meta, meta[:, 0], big))
     last = np.maximum(img.sum(1), txt.sum(1))
     last = np.maximum(last, np.where(has_meta, meta.sum(1), 0))
@@ -88,11 +89,9 @@ def _merge(starts: np.ndarray, ends: np.ndarray, gap: int) -> list[tuple[int, in
     return [(s, e, np.array(m)) for s, e, m in out]
 
 
-def _cut(shard: str, key: str, buf: Any, base: int, span: np.ndarray) -> bytes:
+def _cut(shard: str, key: str, buf: Any, base: int, off: int, size: int) -> bytes:
     """A member's data from `buf` (bytes from `base` on), its header checked first."""
-    off, size = int(span[0]), int(span[1])
-    head = buf[off - HEADER - base : off - base]
-    why = header_mismatch(head, key, size)
+    why = header_mismatch(buf[off - HEADER - base : off - base], key, size)
     if why is not None:
         raise ShardError(
             f"{shard}: changed since it was indexed (where the index puts {key}, the tar holds "
@@ -164,19 +163,12 @@ def read_located(
             for m in members.tolist():
                 bufs[m] = (data, a)
     out = []
-    for i in range(n):
-        buf, base = bufs[i]  # type: ignore[misc]
+    for (buf, base), s, k, (io, isz), (to, tsz), (mo, msz) in zip(  # type: ignore[misc]
+        bufs, shards, keys, img.tolist(), txt.tolist(), meta.tolist()
+    ):
         mv = memoryview(buf)
-        s, k = shards[i], keys[i]
-        out.append(
-            Sample(
-                s,
-                k,
-                _cut(s, k, mv, base, img[i]),
-                _cut(s, k, mv, base, txt[i]),
-                _cut(s, k, mv, base, meta[i]) if meta[i, 0] >= 0 else None,
-            )
-        )
+        m = _cut(s, k, mv, base, mo, msz) if mo >= 0 else None
+        out.append(Sample(s, k, _cut(s, k, mv, base, io, isz), _cut(s, k, mv, base, to, tsz), m))
     return out
 
 
@@ -222,7 +214,9 @@ def read_ids(ids: np.ndarray, window: int = 1) -> list[Sample]:
     keys: list[str] = [""] * n
     shards: list[str] = [""] * n
     window_of: list[Any] | None = [None] * n if window > 1 else None
-    for sid in np.unique(sids).tolist():
+    unique = np.unique(sids).tolist()
+    TABLE.fetch_rows(unique)  # a remote shard's rows: fetched together on a batch's first touch
+    for sid in unique:
         sel = np.flatnonzero(sids == sid)
         table = TABLE.rows(sid)
         r = table[rows[sel]]
@@ -274,4 +268,4 @@ def read_member(e: Entry, field: str) -> bytes:
             raise ShardError(str(err)) from None
     else:
         data = _read_local(e.shard, path, off - HEADER, off + size)
-    return _cut(e.shard, e.key, memoryview(data), off - HEADER, np.array(span))
+    return _cut(e.shard, e.key, memoryview(data), off - HEADER, off, size)

@@ -405,30 +405,37 @@ def preload(url_of: dict[str, str], raw: bytes) -> int:
 
 
 # -- remote rows, once per node -----------------------------------------------------------------
-def cached_rows(shard: str, summary: dict[str, Any]) -> str:
-    """The local path of a remote shard's ``.idx.npy``: fetched once per node into the index
-    cache (named by the URL and the rows' SHA-1, or size and count for an index written before
-    SHA-1s were recorded), checked against the summary, then memory-mapped like a local one."""
+def _rows_cache_path(shard: str, summary: dict[str, Any]) -> Path:
     npy_url = index_files(shard)[0]
     tag = summary.get("rows_sha1") or f"{summary.get('tar_bytes')}-{summary['count']}"
     h = hashlib.sha256(npy_url.encode()).hexdigest()[:24]
+    return cache_root() / "remote" / f"{h}-{tag}.idx.npy"
+
+
+def cached_rows(shards: Sequence[str], summaries: Sequence[dict[str, Any]]) -> list[str]:
+    """The local paths of remote shards' ``.idx.npy`` files: fetched once per node into the
+    index cache (named by the URL and the rows' SHA-1, or size and count for an index written
+    before SHA-1s were recorded), all missing ones of a batch in parallel, each checked against
+    its summary; then memory-mapped like local ones."""
+    paths = [_rows_cache_path(s, d) for s, d in zip(shards, summaries)]
+    todo = [i for i, p in enumerate(paths) if not p.is_file()]
+    if not todo:
+        return [str(p) for p in paths]
     folder = cache_root() / "remote"
-    path = folder / f"{h}-{tag}.idx.npy"
-    if path.is_file():
-        return str(path)
     folder.mkdir(parents=True, exist_ok=True)
-    with _folder_lock(str(folder / h[:2])):  # one fetch per node; the others wait and reuse
-        if path.is_file():
-            return str(path)
+    with _folder_lock(str(folder)):  # one fetch per node; the others wait and reuse
+        todo = [i for i in todo if not paths[i].is_file()]
         from cvl.data.remote import fetch_whole
 
-        data = fetch_whole([npy_url])[0]
-        want = summary.get("rows_sha1")
-        if want and hashlib.sha1(data).hexdigest() != want:
-            raise CvlError(
-                f"{shard}: its index {npy_url} is not the one its summary describes (rebuilt or "
-                "replaced since the summary was written): re-index the stream where it is "
-                "written (`cvl index --force STREAM`) and upload its index files again"
-            )
-        _atomic_write(str(path), data)
-    return str(path)
+        blobs = fetch_whole([index_files(shards[i])[0] for i in todo])
+        for i, data in zip(todo, blobs):
+            want = summaries[i].get("rows_sha1")
+            if want and hashlib.sha1(data).hexdigest() != want:  # type: ignore[arg-type]
+                raise CvlError(
+                    f"{shards[i]}: its index {index_files(shards[i])[0]} is not the one its "
+                    "summary describes (rebuilt or replaced since the summary was written): "
+                    "re-index the stream where it is written (`cvl index --force STREAM`) and "
+                    "upload its index files again"
+                )
+            _atomic_write(str(paths[i]), data)  # type: ignore[arg-type]
+    return [str(p) for p in paths]

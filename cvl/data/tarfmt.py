@@ -24,6 +24,7 @@ IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 # image formats PIL reads that webdataset writers emit, which cvl's index leaves out (named)
 OTHER_IMAGE_EXTS = ("gif", "bmp", "tif", "tiff", "ppm", "pgm", "pbm", "pnm", "avif", "heic", "jxl")
 HEADER = 512  # a member's ustar header: the 512 bytes just before its data
+_REGULAR = (ord("0"), 0, ord("7"))  # typeflags of a regular file
 _COMPRESSED = (
     (b"\x1f\x8b", "gzip"),
     (b"BZh", "bzip2"),
@@ -140,18 +141,29 @@ def header_mismatch(block: bytes | memoryview, key: str, size: int) -> str | Non
 
     The name is compared as far as the header holds it (ustar prefix + name; a long name is
     cut at 100 bytes and a non-ASCII one may be re-encoded in a pax header, so a truncated
-    name is checked as a prefix and a non-ASCII key by size only). ~5 µs: every sample read
+    name is checked as a prefix and a non-ASCII key by size only). A few µs: every sample read
     checks each of its members, so an index that no longer belongs to its tar is caught at
-    the first sample it would have misread."""
+    the first sample it would have misread. A ustar / GNU header is recognised by its magic;
+    an old (v7) one by its checksum."""
     b = bytes(block)
+    if (  # the common case in one pass: the name and size as tarfile and GNU tar write them
+        b[124:135] == b"%011o" % size
+        and b[257:262] == b"ustar"
+        and b[156] in _REGULAR
+        and b.startswith(key.encode("utf-8") + b".")
+    ):
+        return None
     if len(b) != HEADER:
         return f"a short read ({len(b)} of {HEADER} header bytes)"
-    try:
-        stored = int(b[148:156].split(b"\0", 1)[0].strip() or b"-1", 8)
-    except ValueError:
-        stored = -1
-    if stored != sum(b) - sum(b[148:156]) + 256 or b[156:157] not in (b"0", b"\0", b"7"):
-        return "no member header there"
+    if b[257:262] != b"ustar":  # v7: no magic, only the checksum tells a header
+        try:
+            stored = int(b[148:156].split(b"\0", 1)[0].strip() or b"-1", 8)
+        except ValueError:
+            stored = -1
+        if stored != sum(b) - sum(b[148:156]) + 256:
+            return "no member header there"
+    if b[156] not in _REGULAR:
+        return "no regular member there"
     raw = b[124:136]
     if raw[0] & 0x80:  # base-256 (members of 8 GiB and more)
         have = int.from_bytes(raw[1:], "big")
@@ -165,10 +177,9 @@ def header_mismatch(block: bytes | memoryview, key: str, size: int) -> str | Non
     name = b[:100].split(b"\0", 1)[0]
     if b[257:263] == b"ustar\x00" and b[345] != 0:  # POSIX ustar: prefix/name
         name = b[345:500].split(b"\0", 1)[0] + b"/" + name
-    try:
-        k = key.encode("ascii") + b"."
-    except UnicodeEncodeError:
+    if not key.isascii():
         return None
+    k = key.encode("ascii") + b"."
     if name.startswith(k) or (len(name) >= 99 and k.startswith(name)):
         return None
     return f"member '{name.decode('utf-8', 'replace')}'"

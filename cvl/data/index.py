@@ -31,7 +31,7 @@ import json
 import os
 import tarfile
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,10 +61,25 @@ def _stem(shard: str) -> str:
     return shard[:-4] if shard.endswith(".tar") else shard
 
 
+_PREFIXES: dict[str, str] = {}  # a collection's root -> where its index files are
+
+
+def use_index_prefix(root: str, prefix: str) -> None:
+    """The index files of the shards under `root` (a folder or URL) lie under `prefix` (a
+    folder or URL) at each shard's path relative to `root` (`cvl index --index-prefix`: the
+    index of a read-only collection)."""
+    _PREFIXES[root.rstrip("/")] = prefix.rstrip("/")
+
+
 def index_files(shard: str) -> tuple[str, str]:
-    """(rows, summary) paths of a shard's index: beside the tar, or in the cache folder when
-    the tar's folder is not writable and no index lies beside it."""
+    """(rows, summary) paths of a shard's index: under its collection's index prefix
+    (`use_index_prefix`), else beside the tar, or in the cache folder when the tar's folder is
+    not writable and no index lies beside it."""
     stem = _stem(str(shard))
+    for root, prefix in _PREFIXES.items():
+        if stem.startswith(root + "/"):
+            base = prefix + stem[len(root) :]
+            return base + ".idx.npy", base + ".idx.json"
     beside = (stem + ".idx.npy", stem + ".idx.json")
     if is_remote(shard) or os.path.exists(beside[1]) or os.access(os.path.dirname(stem), os.W_OK):
         return beside
@@ -117,13 +132,22 @@ class MemberLog:
 
 
 def scan_tar(path: str) -> tuple[np.ndarray, list[tuple[str, str]]]:
-    """Index a tar by reading its headers (once per shard cvl did not write)."""
+    """Index a tar by reading its headers (once per shard cvl did not write); a shard at a URL
+    is read through once, in order (a tar has no table of contents)."""
     log = MemberLog()
     try:
-        with tarfile.open(path, mode="r:") as tf:
-            for ti in tf:
-                if ti.isfile():
-                    log.add(ti.name, ti.offset_data, ti.size)
+        if is_remote(path):
+            import fsspec
+
+            with fsspec.open(path, "rb") as f, tarfile.open(fileobj=f, mode="r|") as tf:
+                for ti in tf:
+                    if ti.isfile():
+                        log.add(ti.name, ti.offset_data, ti.size)
+        else:
+            with tarfile.open(path, mode="r:") as tf:
+                for ti in tf:
+                    if ti.isfile():
+                        log.add(ti.name, ti.offset_data, ti.size)
     except (tarfile.TarError, OSError) as e:
         raise CvlError(f"{path}: not a readable tar shard ({e})") from None
     return log.index()
@@ -132,26 +156,44 @@ def scan_tar(path: str) -> tuple[np.ndarray, list[tuple[str, str]]]:
 def write_index(shard: str, rows: np.ndarray, skipped: list, tar_bytes: int) -> None:
     """Write a shard's two index files atomically (rows first: the summary marks it done)."""
     npy, js = index_files(shard)
-    os.makedirs(os.path.dirname(npy) or ".", exist_ok=True)
-    tmp = f"{npy}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
-        np.save(f, rows, allow_pickle=False)
-    os.replace(tmp, npy)
     summary = {
         "schema": SCHEMA,
         "count": len(rows),
         "skipped": [list(s) for s in skipped],
         "tar_bytes": tar_bytes,
     }
+    if is_remote(npy):  # an index prefix in an object store (one PUT each: atomic there)
+        import io
+
+        import fsspec
+
+        buf = io.BytesIO()
+        np.save(buf, rows, allow_pickle=False)
+        for path, data in ((npy, buf.getvalue()), (js, json.dumps(summary).encode())):
+            with fsspec.open(path, "wb") as f:
+                f.write(data)
+        return
+    os.makedirs(os.path.dirname(npy) or ".", exist_ok=True)
+    tmp = f"{npy}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        np.save(f, rows, allow_pickle=False)
+    os.replace(tmp, npy)
     tmp = f"{js}.{os.getpid()}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(summary, f)
     os.replace(tmp, js)
 
 
-def _index_one(shard: str) -> None:
+def _index_one(shard: str) -> int:
     rows, skipped = scan_tar(shard)
-    write_index(shard, rows, skipped, os.path.getsize(shard))
+    if is_remote(shard):
+        from cvl.data.remote import size
+
+        tar_bytes = size(shard)
+    else:
+        tar_bytes = os.path.getsize(shard)
+    write_index(shard, rows, skipped, tar_bytes)
+    return len(rows)
 
 
 # -- reading summaries; building what is missing -----------------------------------------------
@@ -159,7 +201,7 @@ def _summary(shard: str, check: bool = True) -> dict[str, Any] | None:
     """A shard's index summary, or None when it is missing or stale (tar size changed)."""
     js = index_files(shard)[1]
     try:
-        if is_remote(shard):
+        if is_remote(js):
             from cvl.data.remote import read_bytes
 
             try:
@@ -174,7 +216,7 @@ def _summary(shard: str, check: bool = True) -> dict[str, Any] | None:
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
-        if is_remote(shard):
+        if is_remote(js):
             raise
         return None if isinstance(e, ValueError) else _raise(shard, e)
     if d.get("schema") != SCHEMA:
@@ -203,28 +245,36 @@ def index_processes() -> int:
         return os.cpu_count() or 1
 
 
-def ensure_indexed(shards: Sequence[str]) -> list[dict[str, Any]]:
-    """Every shard's summary, indexing the shards that have none (module doc); in order."""
+def ensure_indexed(
+    shards: Sequence[str], remote: bool = False, done: Callable[[int], None] | None = None
+) -> list[dict[str, Any]]:
+    """Every shard's summary, indexing the shards that have none (module doc); in order.
+    Shards at URLs are indexed only with `remote` (each is read through once: `cvl index`,
+    `cvl build-stream shards`), else their index must exist. `done(samples)` is called as
+    each shard is indexed (progress)."""
     out: list[dict[str, Any] | None] = [_summary(s) for s in shards]
     missing = [s for s, d in zip(shards, out) if d is None]
     if not missing:
         return out  # type: ignore[return-value]
-    remote = [s for s in missing if is_remote(s)]
-    if remote:
+    far = [s for s in missing if is_remote(s)]
+    if far and not remote:
         raise CvlError(
-            f"{remote[0]}: no index beside the shard ({index_files(remote[0])[1]}); remote "
-            "shards need their index files beside them: run `cvl index STREAM` on the stream "
-            "before copying it (streams built by this cvl have them)"
+            f"{far[0]}: no index beside the shard ({index_files(far[0])[1]}); remote shards "
+            "need their index files beside them: run `cvl index STREAM` on the stream before "
+            "copying it (streams built by this cvl have them), or `cvl index URL --index-prefix "
+            "DIR` for a read-only collection"
         )
     by_folder: dict[str, list[str]] = {}
     for s in missing:
-        if not os.path.isfile(s):
+        if not is_remote(s) and not os.path.isfile(s):
             raise CvlError(f"{s}: shard not found")
         by_folder.setdefault(os.path.dirname(index_files(s)[1]), []).append(s)
     for folder, group in by_folder.items():
+        if is_remote(folder):  # an object store has no locks: `cvl index --part` splits work
+            _build([s for s in group if _summary(s) is None], done)
+            continue
         with _folder_lock(folder):  # one process per node indexes; the others wait, then reuse
-            todo = [s for s in group if _summary(s) is None]
-            _build(todo)
+            _build([s for s in group if _summary(s) is None], done)
     return [d if d is not None else _summary(s) or _fail(s) for s, d in zip(shards, out)]
 
 
@@ -232,19 +282,30 @@ def _fail(shard: str) -> dict[str, Any]:
     raise CvlError(f"{shard}: indexing left no index (is its folder writable?)")
 
 
-def _build(todo: list[str]) -> None:
+def _build(todo: list[str], done: Callable[[int], None] | None = None) -> None:
+    """Index `todo`: local shards in processes (tar headers: CPU), shards at URLs in threads
+    (waiting on the network)."""
     if not todo:
         return
+    report = done or (lambda n: None)
     procs = min(index_processes(), len(todo))
     if procs <= 1 or len(todo) < 4:
         for s in todo:
-            _index_one(s)
+            report(_index_one(s))
+        return
+    if is_remote(todo[0]):
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max(procs, 8)) as tx:
+            for n in tx.map(_index_one, todo):
+                report(n)
         return
     import multiprocessing as mp
 
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     with ProcessPoolExecutor(procs, mp_context=ctx) as ex:
-        list(ex.map(_index_one, todo, chunksize=max(1, len(todo) // (procs * 8))))
+        for n in ex.map(_index_one, todo, chunksize=max(1, len(todo) // (procs * 8))):
+            report(n)
 
 
 class _folder_lock:
@@ -315,7 +376,7 @@ class _Table:
         npy = index_files(path)[0]
         if self.counts[sid] == 0:
             return np.zeros(0, _dtype(1))  # (numpy cannot map an empty array)
-        if is_remote(path):
+        if is_remote(npy):
             import io
 
             from cvl.data.remote import read_bytes

@@ -133,3 +133,9 @@ def read_bytes(url: str) -> bytes:
 def exists(url: str) -> bool:
     fs, path = _fs(url)
     return bool(_retry(url, "its metadata", lambda: fs.exists(path)))
+
+
+def size(url: str) -> int:
+    """A remote file's size in bytes."""
+    fs, path = _fs(url)
+    return int(_retry(url, "its size", lambda: fs.size(path)))

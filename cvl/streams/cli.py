@@ -26,6 +26,7 @@ SOURCES: list[tuple[str, str, str]] = [
     ("wit", "cvl.streams.wit", "wit_cmd"),
     ("goodnews", "cvl.streams.goodnews", "goodnews_cmd"),
     ("table", "cvl.streams.table", "table_cmd"),
+    ("shards", "cvl.streams.shards", "shards_cmd"),
     ("coco", "cvl.streams.karpathy", "coco_cmd"),
     ("flickr30k", "cvl.streams.karpathy", "flickr30k_cmd"),
     ("rsicd", "cvl.streams.karpathy", "rsicd_cmd"),

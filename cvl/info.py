@@ -16,7 +16,8 @@ def describe_stream(path: Path) -> list[str]:
 
     m = load_manifest(path)
     lines = [
-        f"stream {m.name}  (source {m.source}, seed {m.seed}, schema cvl.stream/1, cvl {m.cvl_version})",
+        f"stream {m.name}  (source {m.source}, seed {m.seed}, schema {m.to_json()['schema']}, "
+        f"cvl {m.cvl_version})",
         f"split rule: {m.split_rule}",
         f"task order: {' -> '.join(m.task_order)}",
     ]

@@ -50,6 +50,18 @@ holding its dynamic retrieval set (``eval``: period -> benchmark name), plus ``u
 date ``column``. `cvl eval` derives TiC-CLIP's in-distribution / backward / forward transfer
 from it.
 
+A task built in place (`cvl build-stream shards`: a webdataset collection cvl did not write)
+adds ``rows`` and ``of`` to its ``train`` set: ``rows`` names an integer array file beside
+stream.json holding the positions of the task's samples among the usable samples of its
+``shards`` (counted shard after shard, in each shard's index order), ``of`` how many those
+shards held at build time (`cvl.data.selection` reads and checks them). Its shards are
+entries under a ``sources`` record ``{"name": "shards", "link": "sources/shards", "path" |
+"url": ROOT, "index": PREFIX}``: the link points at a local collection, or its entries are
+read at ``url`` (`Manifest.resolve`); ``index`` is where the shards' index files lie when not
+beside them. Such a manifest's schema is ``cvl.stream/1.1`` (an older cvl refuses it rather
+than read every sample of the shards); `train_shards` refuses such a task (tools that read
+whole shards), `selection` gives it.
+
 Every sample's KEY.json holds at least ``id``, ``task`` and ``category`` (may be null) and
 optionally ``captions`` (all captions of the image; KEY.txt is the first one).
 """
@@ -67,6 +79,9 @@ from cvl.errors import CvlError
 from cvl.io import read_json, write_json
 
 SCHEMA = "cvl.stream/1"
+# a stream with tasks built in place (`rows`): an older cvl, which would read every sample of
+# the source shards, refuses the schema instead; this one reads both
+SCHEMA_ROWS = "cvl.stream/1.1"
 MANIFEST = "stream.json"
 BUILD_REPORT = "build_report.json"
 EVAL_KINDS = ("pairs", "query", "gallery")
@@ -230,7 +245,7 @@ class Manifest:
     # -- (de)serialisation -------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
         d = {
-            "schema": SCHEMA,
+            "schema": SCHEMA_ROWS if any(t.train.rows for t in self.tasks.values()) else SCHEMA,
             "name": self.name,
             "source": self.source,
             "source_args": self.source_args,
@@ -326,8 +341,10 @@ def manifest_from_json(d: Any, root: Path | None = None) -> Manifest:
     if not isinstance(d, dict):
         raise _err("top level", "must be a JSON object")
     schema = _req(d, "schema", str, "top level")
-    if schema != SCHEMA:
-        raise _err("schema", f"unsupported schema '{schema}' (this cvl reads '{SCHEMA}')")
+    if schema not in (SCHEMA, SCHEMA_ROWS):
+        raise _err(
+            "schema", f"unsupported schema '{schema}' (this cvl reads '{SCHEMA}', '{SCHEMA_ROWS}')"
+        )
     name = _req(d, "name", str, "top level")
     source = _req(d, "source", str, "top level")
     split_rule = d.get("split_rule", "")

@@ -38,26 +38,11 @@ import time
 from pathlib import Path
 
 import numpy as np
+from bench_scale import _real_shard  # one real shard of tiny JPEGs, with its index
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 PER_SHARD = 10_000
-
-
-def _real_shard(root: Path) -> Path:
-    from PIL import Image
-
-    from cvl.streams.writer import ShardSink, encode_jpeg
-
-    sink = ShardSink(root, "real", maxcount=PER_SHARD)
-    rng = np.random.default_rng(0)
-    jpgs = [
-        encode_jpeg(Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)))
-        for _ in range(64)
-    ]
-    for i in range(PER_SHARD):
-        sink.write(f"s{i:07d}", jpgs[i % 64], f"a photo number {i}", {"uid": f"{i:032x}"})
-    return root / sink.close().shards[0]
 
 
 def _collection(root: Path, real: Path, n_shards: int) -> Path:
@@ -139,7 +124,7 @@ def child(mode: str, collection: str, out: str) -> dict:
 
 
 def _json_rate(real: Path, tmp: Path) -> float:
-    """KEY.json's uid of 100,000 local samples (10 links of the real shard), one process."""
+    """A KEY.json field of 100,000 local samples (10 links of the real shard), one process."""
     from cvl.data.index import Entries, index_files
     from cvl.streams.shardcols import json_fields
 
@@ -153,9 +138,9 @@ def _json_rate(real: Path, tmp: Path) -> float:
         links.append(stem + ".tar")
     e = Entries.of_shards(links)
     t = time.perf_counter()
-    got = json_fields(e.parts[0][1], ["uid"], processes=1)["uid"]
+    got = json_fields(e.parts[0][1], ["id"], processes=1)["id"]
     secs = time.perf_counter() - t
-    assert len(got) == len(e) and got[0].as_py() == f"{0:032x}"
+    assert len(got) == len(e) and got[1].as_py() == "1"
     return round(len(e) / secs, 1)
 
 
@@ -171,7 +156,7 @@ def main() -> None:
     results: dict = {"machine": f"{os.cpu_count()} CPUs", "load_before": os.getloadavg()}
     with tempfile.TemporaryDirectory(dir=a.keep) as tmp_s:
         tmp = Path(tmp_s)
-        real = _real_shard(tmp / "real")
+        real = _real_shard(tmp / "real", PER_SHARD)
         results["json_field_samples_per_s"] = _json_rate(real, tmp)
         for size in (int(float(x)) for x in a.sizes.split(",")):
             col = _collection(tmp / f"c{size}", real, size // PER_SHARD)

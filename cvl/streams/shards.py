@@ -54,7 +54,7 @@ from cvl.streams.splitcore import (
     instance_split,
     sample_positions,
 )
-from cvl.streams.splitrules import resolve_order
+from cvl.streams.splitrules import check_split_options, resolve_order
 from cvl.streams.timesplit import Periods, TimeSplit, time_options, time_spec
 from cvl.streams.writer import BuildReport
 
@@ -141,18 +141,7 @@ def _check_options(
     join: list[str] | None,
     join_id_col: str | None,
 ) -> None:
-    if time is not None:
-        clash = ["--task-col"] if task_col else []
-        clash += ["--sample"] if sample is not None else []
-        clash += ["--chunks"] if chunks != 1 else []
-        if clash:
-            raise CvlError(f"--time-col makes one task per period: drop {', '.join(clash)}")
-    if task_col and (sample is not None or chunks != 1):
-        raise CvlError(
-            "--task-col gives the tasks: use --limit-per-task instead of --sample/--chunks"
-        )
-    if not (task_col or time) and limit is not None:
-        raise CvlError("--limit-per-task needs --task-col or --time-col (else use --sample)")
+    check_split_options(time is not None, task_col, chunks, sample, limit)
     if join_id_col and not join:
         raise CvlError("--join-id-col names the id column of --join: give --join")
     if join and not (task_col or time):

@@ -304,6 +304,31 @@ class ClassSplit(SplitRule):
         )
 
 
+def check_split_options(
+    time: bool,
+    task_col: str | None,
+    chunks: int,
+    sample: int | None,
+    limit: int | None,
+    more: tuple[str, ...] = (),
+) -> None:
+    """The options that choose a split exclude each other (`table`, `shards`): --time-col (with
+    `more`: other options a time split leaves no room for), --task-col, --chunks / --sample;
+    --limit-per-task goes with the first two."""
+    if time:
+        clash = [*more, *(["--task-col"] if task_col else [])]
+        clash += ["--sample"] if sample is not None else []
+        clash += ["--chunks"] if chunks != 1 else []
+        if clash:
+            raise CvlError(f"--time-col makes one task per period: drop {', '.join(clash)}")
+    if task_col and (sample is not None or chunks != 1):
+        raise CvlError(
+            "--task-col gives the tasks: use --limit-per-task instead of --sample/--chunks"
+        )
+    if not (task_col or time) and limit is not None:
+        raise CvlError("--limit-per-task needs --task-col or --time-col (else use --sample)")
+
+
 # -- task order ----------------------------------------------------------------------------------
 def resolve_order(
     spec: str | None, default: list[str], aliases: dict[str, str] | None = None

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from shards_helpers import EVALS, TIC, fixture_copy, instance_argv, tic_argv
 
 from cvl.data.index import Entries, index_files
+from cvl.data.reader import PairDataset
 from cvl.data.selection import read_rows, task_dataset
 from cvl.errors import CvlError
 from cvl.runs import finished_tasks
@@ -215,10 +216,20 @@ def test_a_stream_in_place_trains_as_its_copy(tmp_path):
         )
     a, b = _weights(tmp_path / "run-in"), _weights(tmp_path / "run-cp")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    from cvl.data.mixture import pretrain_entries
+
+    pre = [pretrain_entries(tmp_path / s) for s in ("in", "cp")]  # as --pretrain-data
+    assert len(pre[0]) == len(pre[1]) == 20
+    caps = [[PairDataset(p)[i]["caption"] for i in range(20)] for p in pre]
+    assert caps[0] == caps[1]
     from cvl.info import describe_stream
 
     text = "\n".join(describe_stream(tmp_path / "in"))
     assert "sources/shards -> " in text and "2 task(s) read rows of their source shards" in text
+    for f in (dc / "shards").glob("*.idx.*"):
+        f.unlink()
+    cli(["index", str(tmp_path / "in"), "--quiet"])  # a stream's index: its source shards too
+    assert len(list((dc / "shards").glob("*.idx.json"))) == 3
 
 
 def _refused(argv: list[str], capsys, text: str) -> None:
@@ -266,3 +277,39 @@ def test_index_in_parts_under_a_prefix(tmp_path, capsys):
     assert m.sources[0]["index"] == str(prefix)
     assert index_files(str(m.selection("chunk0")[0][0]))[1].startswith(str(prefix))
     assert not list((dc / "shards").glob("*.idx.*"))
+
+
+def test_a_task_column_of_a_joined_table(tmp_path):
+    """--task-col / --category-col from a CSV joined on KEY.json's uid: one task per value in
+    order of first appearance, ColumnSplit's held-out draw, categories in the manifest and in
+    the copied evaluation samples."""
+    import hashlib
+
+    from cvl.streams.splitrules import ColumnSplit
+
+    dc = fixture_copy(tmp_path / "dc")
+    lines = ["uid,domain,label"]
+    for i in range(60):
+        uid = hashlib.md5(f"datacomp-fixture-{i}".encode()).hexdigest()  # make_fixture's
+        lines.append(f"{uid},{['news', 'shop', 'art'][i % 3]},obj{i % 4}")
+    (tmp_path / "t.csv").write_text("\n".join(lines) + "\n")
+    cli(
+        ["build-stream", "shards", "--shards", str(dc / "shards"), "--id-col", "uid"]
+        + ["--join", str(tmp_path / "t.csv"), "--task-col", "domain", "--category-col", "label"]
+        + ["--test", "1", "--out", str(tmp_path / "s"), "--quiet"]
+    )
+    m = load_manifest(tmp_path / "s")
+    assert m.task_order == ["news", "shop", "art"]
+    every = Entries.of_shards(sorted(str(p) for p in (dc / "shards").glob("*.tar")))
+    dom = {ln.split(",")[0]: ln.split(",")[1] for ln in lines[1:]}
+    rows = [Row(id=_meta(e.shard, e)["uid"], caption="c") for e in every]
+    for r in rows:
+        r.task = dom[r.id]
+    out = ColumnSplit("x", test=1, seed=0).assign(rows, Dropper(BuildReport()))
+    for t in m.task_order:
+        ds = task_dataset(m, t)
+        got = sorted(_meta(ds.entries[i].shard, ds.entries[i])["uid"] for i in range(len(ds)))
+        assert got == sorted(r.id for r in out if r.task == t and r.split == "train")
+        assert m.tasks[t].categories == ["obj0", "obj1", "obj2", "obj3"]
+        (held,) = [_meta(e.shard, e) for e in Entries.of_shards(m.eval_shards("test", t))]
+        assert held["task"] == t and held["category"].startswith("obj")

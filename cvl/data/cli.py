@@ -66,14 +66,15 @@ def index_cmd(
     from cvl.data.shardlist import collection_root, list_shards, use_prefix
     from cvl.errors import CvlError
     from cvl.progress import progress_bar
+    from cvl.streams.manifest import MANIFEST
 
-    shards = list_shards(paths)
-    root = use_prefix(index_prefix, shards) if index_prefix else collection_root(shards)
-    where = (
-        (index_prefix if is_remote(index_prefix) else os.path.abspath(index_prefix))
-        if index_prefix
-        else root
-    )
+    shards = list_shards([s for p in paths for s in _stream_shards(p)])
+    streams = [p for p in paths if os.path.isfile(os.path.join(p, MANIFEST))]
+    if index_prefix:  # where the summaries go: the prefix, the stream, the collection's root
+        use_prefix(index_prefix, shards)
+        where = index_prefix if is_remote(index_prefix) else os.path.abspath(index_prefix)
+    else:
+        where = os.path.abspath(streams[0]) if streams else collection_root(shards)
     if is_remote(where) and where.split("://", 1)[0] in ("http", "https"):
         raise CvlError(
             f"{where}: an HTTP server takes no index files: give --index-prefix DIR (a folder, "
@@ -106,9 +107,10 @@ def index_cmd(
     if pn:
         stats["part"] = f"{pn[0]}/{pn[1]}"
         _write(f"{where}/{PART_FILE.format(i=pn[0], n=pn[1])}", stats)
-    else:
+    else:  # the parts' summaries, when machines indexed in parts, merged into one file
         stats["parts"] = _merge(where)
-        _write(f"{where}/{SUMMARY_FILE}", stats)
+        if stats["parts"]:
+            _write(f"{where}/{SUMMARY_FILE}", stats)
     click.echo(
         f"indexed {len(mine)} shard(s)"
         + (f" (part {part})" if pn else "")
@@ -120,6 +122,20 @@ def index_cmd(
             else ""
         )
     )
+
+
+def _stream_shards(path: str) -> list[str]:
+    """A stream folder's shards by its manifest (a task built in place: its source shards, which
+    a walk of the folder would not reach), else the path as given."""
+    from cvl.streams.manifest import MANIFEST, load_manifest, task_files
+
+    if not os.path.isfile(os.path.join(path, MANIFEST)):
+        return [path]
+    m = load_manifest(path)
+    out = [str(s) for t in m.task_order for s in task_files(m, t) if str(s).endswith(".tar")]
+    out += [str(s) for n, e in m.eval_sets.items() for t in e.tasks for s in m.eval_shards(n, t)]
+    out += [str(s) for b in m.benchmarks for s in m.benchmark_shards(b)]
+    return out
 
 
 def _stats(summaries: list[dict[str, Any]]) -> dict[str, Any]:

@@ -12,7 +12,10 @@ tasks; this module holds what it reads and writes:
   category, period), each held-out sample checked to read first: one drawn at random that
   does not is replaced by a training sample of its task (and period), as the other sources do;
 - `source_entry`: the manifest's `sources` record of the collection (``sources/shards`` is a
-  link to a local collection, or stands for its URL).
+  link to a local collection, or stands for its URL);
+- `write_stream`: a split (`Split`: each sample's task, split and period as arrays, made by
+  `cvl.streams.shards`) written as the stream's sets and manifest, with the build report's
+  counts (`Drops`: dropped samples by reason, with example ids).
 """
 
 from __future__ import annotations

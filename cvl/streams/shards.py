@@ -205,8 +205,9 @@ def _columns(
         got[col] = pc.coalesce(got[col], dates) if col in got else dates
         joined |= e_rows >= 0
     out["joined"] = joined
-    out.update({k: v for k, v in got.items() if k in want})
-    out["values"] = got
+    out["values"] = got  # by column name: the split's column, categories
+    if category_col:
+        out["category"] = got[category_col]
     return out
 
 
@@ -411,8 +412,9 @@ def _out_options(f):  # noqa: ANN001, ANN202
     default=1,
     show_default=True,
     type=POSITIVE_INT,
-    help="Processes that index shards, read their KEY.json fields and write copies (threads "
-    "for a collection at a URL).",
+    help="Processes that read the samples' KEY.json fields and write the copies (threads for a "
+    "collection at a URL). Indexing what is not indexed yet uses every core "
+    "(CVL_INDEX_PROCESSES).",
 )
 @time_options
 @split_options(1)

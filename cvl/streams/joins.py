@@ -19,7 +19,6 @@ Python object per row or sample. Tables are read as they are published:
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -45,24 +44,6 @@ def uids_to_hex(a: np.ndarray) -> np.ndarray:
     both = np.stack([hi, lo], axis=1).astype(">u8")
     digits = _HEX[both.view(np.uint8).reshape(len(hi), 16)]
     return np.ascontiguousarray(digits).view("S32").ravel()
-
-
-def hex_to_uids(h: np.ndarray) -> np.ndarray:
-    """32-hex-digit strings (``S32``) as ``u8,u8`` uids (the inverse of `uids_to_hex`)."""
-    h = np.asarray(h, dtype="S32")
-    b = h.view(np.uint8).reshape(len(h), 32)
-    nib = np.full(256, 255, dtype=np.uint8)
-    nib[np.frombuffer(b"0123456789", np.uint8)] = np.arange(10, dtype=np.uint8)
-    nib[np.frombuffer(b"abcdef", np.uint8)] = np.arange(10, 16, dtype=np.uint8)
-    nib[np.frombuffer(b"ABCDEF", np.uint8)] = np.arange(10, 16, dtype=np.uint8)
-    v = nib[b]
-    if (v == 255).any():
-        raise CvlError("not a 32-hex-digit uid")
-    raw = (v[:, 0::2] << 4 | v[:, 1::2]).astype(np.uint8)
-    halves = np.ascontiguousarray(raw).view(">u8").reshape(len(h), 2)
-    out = np.empty(len(h), dtype=np.dtype("u8,u8"))
-    out["f0"], out["f1"] = halves[:, 0], halves[:, 1]
-    return out
 
 
 def _files(paths: list[str]) -> list[Path]:
@@ -183,12 +164,3 @@ def take_text(col: Any, rows: np.ndarray) -> Any:
 
         got = pc.if_else(pa.array(mask), pa.nulls(len(rows), pa.string()), got)
     return got
-
-
-def text_bytes(arr: Any) -> int:
-    """Bytes an arrow array holds (for the memory the build states per sample)."""
-    return int(sum(b.size for b in arr.buffers() if b is not None)) if arr is not None else 0
-
-
-def is_npy(path: str) -> bool:
-    return os.fspath(path).lower().endswith(".npy")

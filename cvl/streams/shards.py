@@ -419,24 +419,7 @@ def _out_options(f):  # noqa: ANN001, ANN202
 @time_options
 @split_options(1)
 @_out_options
-def shards_cmd(
-    inputs: tuple[str, ...],
-    index_prefix: str | None,
-    id_col: str | None,
-    join: tuple[str, ...],
-    join_id_col: str | None,
-    task_col: str | None,
-    category_col: str | None,
-    limit_per_task: int | None,
-    task_name: str,
-    copy: bool,
-    processes: int,
-    chunks: int,
-    sample: int | None,
-    val: int,
-    test: int,
-    **kw: Any,
-) -> None:
+def shards_cmd(inputs: tuple[str, ...], join: tuple[str, ...], **kw: Any) -> None:
     """Webdataset shards you already have, split into tasks in place (nothing downloaded or
     copied but the evaluation sets): img2dataset's CC12M / CC3M / LAION, DataComp's shards.
 
@@ -454,24 +437,6 @@ def shards_cmd(
           --out streams/tic-datacomp
     """
     time = time_spec(kw)
-    kw["processes"] = processes
-    opts = build_options(kw)
-    m = build_shards(
-        list(inputs),
-        opts,
-        index_prefix=index_prefix,
-        id_col=id_col,
-        join=list(join),
-        join_id_col=join_id_col,
-        task_col=task_col,
-        category_col=category_col,
-        time=time,
-        chunks=chunks,
-        sample=sample,
-        val=val,
-        test=test,
-        limit_per_task=limit_per_task,
-        task_name=task_name,
-        copy=copy,
-    )
+    opts = build_options(kw)  # the output options (and --processes); the rest is the split's
+    m = build_shards(list(inputs), opts, join=list(join), time=time, **kw)
     finish(m, str(opts.out), quiet=not opts.progress)

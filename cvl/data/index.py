@@ -134,20 +134,21 @@ class MemberLog:
 def scan_tar(path: str) -> tuple[np.ndarray, list[tuple[str, str]]]:
     """Index a tar by reading its headers (once per shard cvl did not write); a shard at a URL
     is read through once, in order (a tar has no table of contents)."""
+    import contextlib
+
     log = MemberLog()
     try:
-        if is_remote(path):
-            import fsspec
+        with contextlib.ExitStack() as stack:
+            if is_remote(path):
+                import fsspec
 
-            with fsspec.open(path, "rb") as f, tarfile.open(fileobj=f, mode="r|") as tf:
-                for ti in tf:
-                    if ti.isfile():
-                        log.add(ti.name, ti.offset_data, ti.size)
-        else:
-            with tarfile.open(path, mode="r:") as tf:
-                for ti in tf:
-                    if ti.isfile():
-                        log.add(ti.name, ti.offset_data, ti.size)
+                f = stack.enter_context(fsspec.open(path, "rb"))
+                tf = stack.enter_context(tarfile.open(fileobj=f, mode="r|"))
+            else:
+                tf = stack.enter_context(tarfile.open(path, mode="r:"))
+            for ti in tf:
+                if ti.isfile():
+                    log.add(ti.name, ti.offset_data, ti.size)
     except (tarfile.TarError, OSError) as e:
         raise CvlError(f"{path}: not a readable tar shard ({e})") from None
     return log.index()

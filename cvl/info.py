@@ -16,7 +16,8 @@ def describe_stream(path: Path) -> list[str]:
 
     m = load_manifest(path)
     lines = [
-        f"stream {m.name}  (source {m.source}, seed {m.seed}, schema cvl.stream/1, cvl {m.cvl_version})",
+        f"stream {m.name}  (source {m.source}, seed {m.seed}, schema {m.to_json()['schema']}, "
+        f"cvl {m.cvl_version})",
         f"split rule: {m.split_rule}",
         f"task order: {' -> '.join(m.task_order)}",
     ]
@@ -35,7 +36,20 @@ def describe_stream(path: Path) -> list[str]:
     for b, bm in m.benchmarks.items():
         lines.append(f"benchmark {b}: {bm.shards.count} pairs  {bm.description}")
     for src in m.sources:
-        lines.append(f"source {src.get('name')}: {src.get('link')} (stream.json sha256 checked)")
+        if src.get("stream_sha256"):
+            lines.append(
+                f"source {src.get('name')}: {src.get('link')} (stream.json sha256 checked)"
+            )
+        else:  # a collection the stream reads in place (`cvl build-stream shards`)
+            at = src.get("url") or src.get("path")
+            index = f", index under {src['index']}" if src.get("index") else ""
+            lines.append(f"source {src.get('name')}: {src.get('link')} -> {at} (in place{index})")
+    inplace = [t for t in m.task_order if m.tasks[t].train.rows]
+    if inplace:
+        lines.append(
+            f"{len(inplace)} task(s) read rows of their source shards in place "
+            f"({sum(m.tasks[t].train.count for t in inplace)} training samples)"
+        )
     rep = path / BUILD_REPORT
     if rep.is_file():
         r = read_json(rep)

@@ -30,6 +30,7 @@ from cvl.data.shardindex import (  # noqa: F401 (re-exported: the index's public
     fix_command,
     index_files,
     is_remote,
+    use_index_prefix,
     write_index,
 )
 from cvl.data.tarfmt import IMAGE_EXTS, MemberLog, row_dtype, scan_tar  # noqa: F401
@@ -82,7 +83,7 @@ class _Table:
         todo = [
             s
             for s in dict.fromkeys(int(x) for x in sids)
-            if s not in self.maps and self.counts[s] and is_remote(self.paths[s])
+            if s not in self.maps and self.counts[s] and is_remote(index_files(self.paths[s])[0])
         ]
         if len(todo) > 1:
             cached_rows([self.paths[s] for s in todo], [self.stamps[s] for s in todo])
@@ -98,7 +99,7 @@ class _Table:
         npy = index_files(path)[0]
         if self.counts[sid] == 0:
             return np.zeros(0, row_dtype(1))  # (numpy cannot map an empty array)
-        if is_remote(path):  # fetched once per node into the index cache, then mapped
+        if is_remote(npy):  # fetched once per node into the index cache, then mapped
             npy = cached_rows([path], [self.stamps[sid]])[0]
         try:  # a plain view of the map (np.memmap's indexing costs µs a call)
             m = np.load(npy, mmap_mode="r", allow_pickle=False).view(np.ndarray)

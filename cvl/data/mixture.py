@@ -233,11 +233,7 @@ class Mixture:
         """The pretraining source's samples (indexed once)."""
         if self._pretrain is None:
             self._pretrain = (
-                PairDataset.from_shards(
-                    pretrain_shards(self.pretrain_path), name="pretrain-data"
-                ).entries
-                if self.pretrain_path
-                else Entries([])
+                pretrain_entries(self.pretrain_path) if self.pretrain_path else Entries([])
             )
         return self._pretrain
 
@@ -286,20 +282,32 @@ def task_data(
     return mixture.data(method.own_entries(ctx), buf, gb, seed, ctx.task_name, block)
 
 
-def pretrain_shards(path: str | os.PathLike) -> list[Path]:
-    """The training shards of a pretraining source: a cvl stream (every task's training
-    shards, in task order) or a folder of webdataset .tar shards (recursively, sorted)."""
+def pretrain_source(path: str | os.PathLike) -> Any:
+    """A pretraining source, checked: a cvl stream's manifest, or the sorted .tar shards of a
+    folder (recursively)."""
     from cvl.streams.manifest import MANIFEST, load_manifest
 
     p = Path(path)
     if (p / MANIFEST).is_file():
-        m = load_manifest(p)
-        return [s for t in m.task_order for s in m.train_shards(t)]
+        return load_manifest(p)
     if p.is_dir():
         shards = sorted(p.rglob("*.tar"))
         if shards:
             return shards
     raise CvlError(f"--pretrain-data {path}: not a cvl stream folder or a folder of .tar shards")
+
+
+def pretrain_entries(path: str | os.PathLike) -> Entries:
+    """The samples of a pretraining source: a cvl stream's training samples (every task's, in
+    task order, selections of a stream built in place included) or a folder's shards'."""
+    from cvl.data.selection import task_dataset
+
+    src = pretrain_source(path)
+    if isinstance(src, list):
+        return PairDataset.from_shards(src, name="pretrain-data").entries
+    return Entries.concat(
+        task_dataset(src, t, name="pretrain-data").entries for t in src.task_order
+    )
 
 
 def build_mixture(cfg: Any) -> Mixture | None:
@@ -309,5 +317,5 @@ def build_mixture(cfg: Any) -> Mixture | None:
         return None
     mix = Mixture(shares, getattr(cfg, "pretrain_data", None))
     if mix.pretrain_path and shares["pretrain"] > 0:
-        pretrain_shards(mix.pretrain_path)  # a clear error before any training
+        pretrain_source(mix.pretrain_path)  # a clear error before any training
     return mix

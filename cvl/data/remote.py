@@ -345,3 +345,35 @@ def read_range(url: str, offset: int, size: int) -> bytes:
 def read_bytes(url: str) -> bytes:
     """A whole remote file (index files, a stream's manifest)."""
     return fetch_whole([url])[0]  # type: ignore[return-value]
+
+
+def fs_of(url: str) -> tuple[Any, str]:
+    """(the fsspec filesystem of this process for `url`'s protocol, `url`): for listings and
+    writes (`cvl index` under an index prefix, a collection's folder)."""
+    _loop()
+    return _fs(url.split("://", 1)[0]), url
+
+
+async def _size(url: str) -> int:
+    proto = url.split("://", 1)[0]
+    if proto in ("http", "https"):
+        session = await _session()
+        async with session.head(url, allow_redirects=True) as r:
+            if r.status == 404:
+                raise FileNotFoundError(url)
+            if r.status >= 400:
+                raise OSError(f"HTTP {r.status}")
+            if r.content_length is None:
+                raise _Final("the server gives no Content-Length for it")
+            return int(r.content_length)
+    fs = _fs(proto)
+    if getattr(fs, "async_impl", False):
+        return int((await fs._info(url))["size"])
+    return int(await asyncio.get_running_loop().run_in_executor(None, lambda: fs.size(url)))
+
+
+def size(url: str) -> int:
+    """A remote file's size in bytes (one HEAD / metadata request, retried)."""
+    import fsspec.asyn
+
+    return fsspec.asyn.sync(_loop(), lambda: _retrying(url, "its size", lambda: _size(url)))

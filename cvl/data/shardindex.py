@@ -37,7 +37,7 @@ import io
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -73,10 +73,25 @@ def cache_root() -> Path:
     return Path(os.environ.get("CVL_INDEX_CACHE") or Path.home() / ".cache" / "cvl" / "index")
 
 
+_PREFIXES: dict[str, str] = {}  # a collection's root -> where its index files are
+
+
+def use_index_prefix(root: str, prefix: str) -> None:
+    """The index files of the shards under `root` (a folder or URL) lie under `prefix` (a
+    folder or URL) at each shard's path relative to `root` (`cvl index --index-prefix`: the
+    index of a read-only collection)."""
+    _PREFIXES[root.rstrip("/")] = prefix.rstrip("/")
+
+
 def index_files(shard: str) -> tuple[str, str]:
-    """(rows, summary) paths of a shard's index: beside the tar, or in the cache folder when
-    the tar's folder is not writable and no index lies beside it."""
+    """(rows, summary) paths of a shard's index: under its collection's index prefix
+    (`use_index_prefix`), else beside the tar, or in the cache folder when the tar's folder is
+    not writable and no index lies beside it."""
     stem = _stem(str(shard))
+    for root, prefix in _PREFIXES.items():
+        if stem.startswith(root + "/"):
+            base = prefix + stem[len(root) :]
+            return base + ".idx.npy", base + ".idx.json"
     beside = (stem + ".idx.npy", stem + ".idx.json")
     if is_remote(shard) or os.path.exists(beside[1]) or os.access(os.path.dirname(stem), os.W_OK):
         return beside
@@ -104,13 +119,17 @@ def write_index(
     """Write a shard's two index files atomically (rows first: the summary marks it done);
     the summary records what the index belongs to (module doc). Returns the summary."""
     npy, js = index_files(shard)
-    os.makedirs(os.path.dirname(npy) or ".", exist_ok=True)
     buf = io.BytesIO()
     np.save(buf, rows, allow_pickle=False)
     data = buf.getvalue()
-    _atomic_write(npy, data)
-    st = os.stat(shard)
-    rst = os.stat(npy)
+    if is_remote(npy):  # an index prefix in an object store (one PUT each: atomic there)
+        st = rst = None
+        _put(npy, data)
+    else:
+        os.makedirs(os.path.dirname(npy) or ".", exist_ok=True)
+        _atomic_write(npy, data)
+        rst = os.stat(npy)
+        st = None if is_remote(shard) else os.stat(shard)
     summary = {
         "schema": SCHEMA,
         "count": len(rows),
@@ -118,19 +137,36 @@ def write_index(
         "unused_members": dict(unused or {}),
         "duplicate_keys": int(duplicate_keys),
         "tar_bytes": tar_bytes,
-        "tar_mtime_ns": st.st_mtime_ns,
+        "tar_mtime_ns": st.st_mtime_ns if st else None,
         "rows_bytes": len(data),
-        "rows_mtime_ns": rst.st_mtime_ns,
+        "rows_mtime_ns": rst.st_mtime_ns if rst else None,
         "rows_sha1": hashlib.sha1(data).hexdigest(),
     }
-    _atomic_write(js, json.dumps(summary).encode("utf-8"))
+    if is_remote(js):
+        _put(js, json.dumps(summary).encode("utf-8"))
+    else:
+        _atomic_write(js, json.dumps(summary).encode("utf-8"))
     return summary
 
 
+def _put(url: str, data: bytes) -> None:
+    import fsspec
+
+    with fsspec.open(url, "wb") as f:
+        f.write(data)
+
+
 def index_one(shard: str) -> dict[str, Any]:
-    """Index one local shard by a scan of its headers; its summary."""
+    """Index one shard by a scan of its headers (a shard at a URL is read through once); its
+    summary."""
     rows, skipped, unused, dups = scan_tar(shard)
-    return write_index(shard, rows, skipped, os.path.getsize(shard), unused, dups)
+    if is_remote(shard):
+        from cvl.data.remote import size
+
+        tar_bytes = size(shard)
+    else:
+        tar_bytes = os.path.getsize(shard)
+    return write_index(shard, rows, skipped, tar_bytes, unused, dups)
 
 
 # -- reading and proving summaries ---------------------------------------------------------------
@@ -252,7 +288,7 @@ def local_summary(shard: str, full: bool = False) -> dict[str, Any] | None:
 
 
 def remote_summaries(shards: Sequence[str]) -> list[dict[str, Any] | None]:
-    """Summaries of shards at URLs: from their stream's summary when it was loaded
+    """Summaries of shards whose index lies at a URL: from their stream's summary when it was loaded
     (`preload`), the rest fetched in parallel; None where a shard has none."""
     out: list[dict[str, Any] | None] = [_PRELOADED.get(s) for s in shards]
     todo = [i for i, d in enumerate(out) if d is None]
@@ -283,42 +319,54 @@ def index_processes() -> int:
 
 
 def ensure_indexed(
-    shards: Sequence[str], full: bool = False, force: bool = False
+    shards: Sequence[str],
+    full: bool = False,
+    force: bool = False,
+    remote: bool = False,
+    done: Callable[[dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """Every shard's summary, in order, indexing local shards whose index is missing or stale
-    (module doc; `full`: prove every kept index, as `cvl index` does; `force`: rebuild all).
-    Remote shards must have an index beside them."""
+    """Every shard's summary, in order, indexing the shards whose index is missing or stale
+    (module doc; `full`: prove every kept local index, as `cvl index` does; `force`: rebuild
+    all). A shard at a URL is indexed only with `remote` (read through once: `cvl index`,
+    `cvl build-stream shards`); otherwise its index must exist. `done(summary)` is called as
+    each shard is indexed (progress)."""
     shards = list(shards)
     out: list[dict[str, Any] | None] = [None] * len(shards)
-    remote = [i for i, s in enumerate(shards) if is_remote(s)]
-    for i, d in zip(remote, remote_summaries([shards[i] for i in remote])):
-        if d is None:
-            raise CvlError(
-                f"{shards[i]}: no index beside the shard ({index_files(shards[i])[1]}); remote "
-                "shards need their index files beside them: run `cvl index STREAM` on the "
-                "stream before copying it (streams built by this cvl have them)"
-            )
-        out[i] = d
-    local = [i for i, s in enumerate(shards) if not is_remote(s)]
-    stale = []
-    for i in local:
-        out[i] = None if force else local_summary(shards[i], full)
-        if out[i] is None:
-            stale.append(i)
+    far = [i for i, s in enumerate(shards) if is_remote(index_files(s)[1])]
+    if not force:
+        for i, d in zip(far, remote_summaries([shards[i] for i in far])):
+            out[i] = d
+    for i, s in enumerate(shards):
+        if i in far or force:
+            continue
+        out[i] = read_summary(s) if is_remote(s) else local_summary(s, full)
+    stale = [i for i, d in enumerate(out) if d is None]
     if not stale:
         return out  # type: ignore[return-value]
+    urls = [shards[i] for i in stale if is_remote(shards[i])]
+    if urls and not remote:
+        raise CvlError(
+            f"{urls[0]}: no index beside the shard ({index_files(urls[0])[1]}); remote shards "
+            "need their index files beside them: run `cvl index STREAM` on the stream before "
+            "copying it (streams built by this cvl have them), or `cvl index URL --index-prefix "
+            "DIR` for a read-only collection"
+        )
     by_folder: dict[str, list[int]] = {}
     for i in stale:
-        if not os.path.isfile(shards[i]):
+        if not is_remote(shards[i]) and not os.path.isfile(shards[i]):
             raise CvlError(f"{shards[i]}: shard not found")
         by_folder.setdefault(os.path.dirname(index_files(shards[i])[1]), []).append(i)
     for folder, group in by_folder.items():
+        if is_remote(folder):  # an object store has no locks: `cvl index --part` splits work
+            for i, d in zip(group, _build([shards[i] for i in group], done)):
+                out[i] = d
+            continue
         with _folder_lock(folder):  # one process per node indexes; the others wait, then reuse
-            todo = [i for i in group if force or local_summary(shards[i], full) is None]
-            for i, d in zip(todo, _build([shards[i] for i in todo])):
+            todo = [i for i in group if force or _recheck(shards[i], full) is None]
+            for i, d in zip(todo, _build([shards[i] for i in todo], done)):
                 out[i] = d
             for i in group:
-                out[i] = out[i] or local_summary(shards[i]) or _fail(shards[i])
+                out[i] = out[i] or _recheck(shards[i], full) or _fail(shards[i])
     said = [shards[i] for i in stale if shards[i] in REBUILT]
     if said and not (force or full):  # (`cvl index` names them itself)
         print(
@@ -329,21 +377,43 @@ def ensure_indexed(
     return out  # type: ignore[return-value]
 
 
+def _recheck(shard: str, full: bool) -> dict[str, Any] | None:
+    return read_summary(shard) if is_remote(shard) else local_summary(shard, full)
+
+
 def _fail(shard: str) -> dict[str, Any]:
     raise CvlError(f"{shard}: indexing left no index (is its folder writable?)")
 
 
-def _build(todo: list[str]) -> list[dict[str, Any]]:
-    if not todo:
-        return []
+def _build(
+    todo: list[str], done: Callable[[dict[str, Any]], None] | None = None
+) -> list[dict[str, Any]]:
+    """Index `todo`, in order: local shards in processes (tar headers: CPU), shards at URLs
+    in threads (waiting on the network)."""
+    report = done or (lambda d: None)
+    out: list[dict[str, Any]] = []
     procs = min(index_processes(), len(todo))
     if procs <= 1 or len(todo) < 4:
-        return [index_one(s) for s in todo]
+        for s in todo:
+            out.append(index_one(s))
+            report(out[-1])
+        return out
+    if is_remote(todo[0]):
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max(procs, 8)) as tx:
+            for d in tx.map(index_one, todo):
+                out.append(d)
+                report(d)
+        return out
     import multiprocessing as mp
 
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     with ProcessPoolExecutor(procs, mp_context=ctx) as ex:
-        return list(ex.map(index_one, todo, chunksize=max(1, len(todo) // (procs * 8))))
+        for d in ex.map(index_one, todo, chunksize=max(1, len(todo) // (procs * 8))):
+            out.append(d)
+            report(d)
+    return out
 
 
 class _folder_lock:

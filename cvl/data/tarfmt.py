@@ -13,6 +13,7 @@ counted by extension (`unused`), and repeated keys are counted (`duplicate_keys`
 
 from __future__ import annotations
 
+import contextlib
 import tarfile
 from collections import Counter
 
@@ -107,9 +108,15 @@ class MemberLog:
 def scan_tar(path: str) -> tuple[np.ndarray, list[tuple[str, str]], dict[str, int], int]:
     """Index a tar by reading its headers (once per shard cvl did not write): rows, skipped,
     unused members by extension, duplicate keys. Compressed shards are refused by name."""
+    remote = "://" in path and not path.startswith("file://")
     try:
-        with open(path, "rb") as f:
-            head = f.read(8)
+        if remote:
+            from cvl.data.remote import read_range
+
+            head = read_range(path, 0, 8)
+        else:
+            with open(path, "rb") as f:
+                head = f.read(8)
     except OSError as e:
         raise CvlError(f"{path}: cannot read the shard ({e.strerror or e})") from None
     for magic, kind in _COMPRESSED:
@@ -121,7 +128,14 @@ def scan_tar(path: str) -> tuple[np.ndarray, list[tuple[str, str]], dict[str, in
             )
     log = MemberLog()
     try:
-        with tarfile.open(path, mode="r:") as tf:
+        with contextlib.ExitStack() as stack:
+            if remote:  # read through once, in order (a tar has no table of contents)
+                import fsspec
+
+                f = stack.enter_context(fsspec.open(path, "rb"))
+                tf = stack.enter_context(tarfile.open(fileobj=f, mode="r|"))
+            else:
+                tf = stack.enter_context(tarfile.open(path, mode="r:"))
             for ti in tf:
                 if ti.isfile():
                     log.add(ti.name, ti.offset_data, ti.size)

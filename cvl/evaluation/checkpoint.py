@@ -405,12 +405,11 @@ def _probe(ctx: EvalContext, task: str, test: Embeddings) -> dict[str, Any] | No
     """Linear probe: a training subsample of the task, C chosen on its val set, its test set."""
     m = ctx.m
     from cvl.data.reader import PairDataset
+    from cvl.data.selection import task_dataset
     from cvl.data.transforms import EvalTransform
 
     def make() -> PairDataset:
-        ds = PairDataset.from_shards(
-            m.train_shards(task), transform=EvalTransform(ctx.model.image_size)
-        )
+        ds = task_dataset(m, task, transform=EvalTransform(ctx.model.image_size))
         return ds.with_entries([ds.entries[i] for i in _subsample(len(ds), ctx.opts.probe_train)])
 
     key = ("probe-train", task, ctx.opts.probe_train)

@@ -67,7 +67,9 @@ from typing import Any
 
 import torch
 
+from cvl.data.index import Entries
 from cvl.data.reader import PairDataset, collate, rank_slice, sample_seed
+from cvl.data.selection import task_dataset
 from cvl.data.transforms import image_transform
 from cvl.device import to_device
 from cvl.errors import CvlError
@@ -153,10 +155,9 @@ class ZSCL(Wrapper):
 
         m = load_manifest(Path(self.args["ref_stream"]))
         tasks = [self.args["ref_task"]] if self.args["ref_task"] else list(m.task_order)
-        shards = [s for t in tasks for s in m.train_shards(t)]
         model = ctx.model
-        self.ref = PairDataset.from_shards(
-            shards,
+        self.ref = PairDataset(
+            Entries.concat(task_dataset(m, t).entries for t in tasks),
             transform=image_transform(model.image_size, train=False),
             tokenize=model.tokenizer,
         )

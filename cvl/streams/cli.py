@@ -26,6 +26,7 @@ SOURCES: list[tuple[str, str, str]] = [
     ("wit", "cvl.streams.wit", "wit_cmd"),
     ("goodnews", "cvl.streams.goodnews", "goodnews_cmd"),
     ("table", "cvl.streams.table", "table_cmd"),
+    ("shards", "cvl.streams.shards", "shards_cmd"),
     ("coco", "cvl.streams.karpathy", "coco_cmd"),
     ("flickr30k", "cvl.streams.karpathy", "flickr30k_cmd"),
     ("rsicd", "cvl.streams.karpathy", "rsicd_cmd"),
@@ -101,6 +102,7 @@ def build_stream() -> None:
 
     \b
     URL/file lists: p9d, cc12m, cc3m, wit, goodnews, table (downloads through img2dataset).
+    Webdataset shards you already have, split in place (nothing copied): shards.
     Archives on disk: coco, flickr30k, rsicd (Karpathy JSON), ec (MUGE TSVs), iapr.
     Several streams as one: compose; a paper's benchmark in one command: protocol.
     Class-incremental tasks from labels (`cvl pseudo-label` or categories): class-split.

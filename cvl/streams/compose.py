@@ -23,7 +23,6 @@ composed stream refuses a source that changed since (`manifest.check_sources`).
 
 from __future__ import annotations
 
-import json
 import os
 import zlib
 from dataclasses import dataclass
@@ -48,9 +47,9 @@ from cvl.streams.manifest import (
     save_manifest,
 )
 from cvl.streams.options import echo_summary
-from cvl.streams.parallel import join_sets, map_shards, shard_ranges, unique_keys
+from cvl.streams.parallel import copy_entries
 from cvl.streams.pipeline import task_folders
-from cvl.streams.writer import BuildReport, ShardSink
+from cvl.streams.writer import BuildReport
 
 TEST_MODES = ("split", "full", "none")
 
@@ -160,12 +159,6 @@ def part_indices(n: int, part: tuple[int, int], key: str, seed: int, what: str =
     return sorted(chunks[i - 1].tolist())
 
 
-def _read(path: str, span: tuple[int, int]) -> bytes:
-    with open(path, "rb") as f:
-        f.seek(span[0])
-        return f.read(span[1])
-
-
 def copy_part(
     shards: list[Path],
     idx: list[int],
@@ -178,22 +171,16 @@ def copy_part(
 ) -> ShardSet:
     """Copy the samples `idx` of `shards` into `root/rel/*.tar` with task (and extra) meta;
     `processes` > 1 copies whole shards in that many processes (the same bytes)."""
-    samples = _samples(shards)
-    keys = unique_keys(samples[j][1].key for j in idx)
-    ranges = shard_ranges(len(idx), shard_size)
+    from cvl.data.index import Entries
 
-    def write(k: int) -> ShardSet:
-        sink = ShardSink(root, rel, maxcount=shard_size, first=k)
-        for pos in ranges[k]:
-            shard, e = samples[idx[pos]]
-            meta = json.loads(_read(shard, e.meta).decode("utf-8")) if e.meta else {}
-            meta.update(extra)
-            meta["task"] = task
-            cap = _read(shard, e.text).decode("utf-8")
-            sink.write(keys[pos], _read(shard, e.image), cap, meta)
-        return sink.close()
+    entries = Entries.of_shards([str(Path(s).absolute()) for s in shards]).take(idx)
 
-    return join_sets(map_shards(write, len(ranges), processes))
+    def meta(_: int, own: dict[str, Any]) -> dict[str, Any]:
+        own.update(extra)
+        own["task"] = task
+        return own
+
+    return copy_entries(entries, root, rel, meta, shard_size, processes)
 
 
 class _Refs:
@@ -332,6 +319,7 @@ def _compose_into(
         st = _source_task(m, spec.task, label)
         origin: dict[str, Any] = {"stream": m.name, "link": link, "task": st}
         if spec.part is None:
+            m.train_shards(st)  # a task built in place (rows of shards) is refused, in one line
             train = ShardSet(refs.ref(link, m, m.tasks[st].train.shards), m.tasks[st].train.count)
             report.notes.setdefault("referenced", {})[spec.name] = train.count
             rules.append(f"{spec.name} = {m.name}/{st}")

@@ -50,6 +50,18 @@ holding its dynamic retrieval set (``eval``: period -> benchmark name), plus ``u
 date ``column``. `cvl eval` derives TiC-CLIP's in-distribution / backward / forward transfer
 from it.
 
+A task built in place (`cvl build-stream shards`: a webdataset collection cvl did not write)
+adds ``rows`` and ``of`` to its ``train`` set: ``rows`` names an integer array file beside
+stream.json holding the positions of the task's samples among the usable samples of its
+``shards`` (counted shard after shard, in each shard's index order), ``of`` how many those
+shards held at build time (`cvl.data.selection` reads and checks them). Its shards are
+entries under a ``sources`` record ``{"name": "shards", "link": "sources/shards", "path" |
+"url": ROOT, "index": PREFIX}``: the link points at a local collection, or its entries are
+read at ``url`` (`Manifest.resolve`); ``index`` is where the shards' index files lie when not
+beside them. Such a manifest's schema is ``cvl.stream/1.1`` (an older cvl refuses it rather
+than read every sample of the shards); `train_shards` refuses such a task (tools that read
+whole shards), `selection` gives it.
+
 Every sample's KEY.json holds at least ``id``, ``task`` and ``category`` (may be null) and
 optionally ``captions`` (all captions of the image; KEY.txt is the first one).
 """
@@ -67,6 +79,9 @@ from cvl.errors import CvlError
 from cvl.io import read_json, write_json
 
 SCHEMA = "cvl.stream/1"
+# a stream with tasks built in place (`rows`): an older cvl, which would read every sample of
+# the source shards, refuses the schema instead; this one reads both
+SCHEMA_ROWS = "cvl.stream/1.1"
 MANIFEST = "stream.json"
 BUILD_REPORT = "build_report.json"
 EVAL_KINDS = ("pairs", "query", "gallery")
@@ -74,13 +89,20 @@ EVAL_KINDS = ("pairs", "query", "gallery")
 
 @dataclass
 class ShardSet:
-    """A list of shard files and how many samples they hold."""
+    """A list of shard files and how many samples they hold; with `rows`, the samples are a
+    selection of the shards' (a stream built in place: `rows` names the integer array file,
+    `of` the usable samples of the shards it counts in)."""
 
     shards: list[str]
     count: int
+    rows: str | None = None
+    of: int | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"shards": list(self.shards), "count": int(self.count)}
+        d: dict[str, Any] = {"shards": list(self.shards), "count": int(self.count)}
+        if self.rows is not None:
+            d.update(rows=self.rows, of=int(self.of or 0))
+        return d
 
 
 @dataclass
@@ -164,7 +186,12 @@ class Manifest:
     # -- paths -----------------------------------------------------------------------------
     def resolve(self, shard: str) -> Path:
         """Absolute path of a shard entry (relative entries start at the stream folder); the
-        URL of the shard (a str) in a stream served at a URL."""
+        URL of the shard (a str) in a stream served at a URL, or in a collection at a URL
+        (a source with a ``url``: its link's entries lie there)."""
+        for src in self.sources:
+            link, url = str(src.get("link") or "").rstrip("/"), src.get("url")
+            if url and link and shard.startswith(link + "/"):
+                return f"{str(url).rstrip('/')}{shard[len(link) :]}"  # type: ignore[return-value]
         if isinstance(self.root, str):
             return f"{self.root.rstrip('/')}/{shard}"  # type: ignore[return-value]
         p = Path(shard)
@@ -173,7 +200,23 @@ class Manifest:
         return self.root / p
 
     def train_shards(self, task: str) -> list[Path]:
-        return [self.resolve(s) for s in self._task(task).train.shards]
+        """The shards of a task's training set (all of their samples: refused for a task that
+        selects rows of its shards, whose samples `cvl.data.selection` reads)."""
+        t = self._task(task)
+        if t.train.rows is not None:
+            raise CvlError(
+                f"stream '{self.name}': task '{task}' is a selection of rows of shards built in "
+                "place (`cvl build-stream shards`); this tool reads whole shards: build the "
+                "stream with --copy for it"
+            )
+        return [self.resolve(s) for s in t.train.shards]
+
+    def selection(self, task: str) -> tuple[list[Path], Path | str, int] | None:
+        """(shards, rows file, samples of the shards) of a task built in place, else None."""
+        tr = self._task(task).train
+        if tr.rows is None:
+            return None
+        return [self.resolve(s) for s in tr.shards], self.resolve(tr.rows), int(tr.of or 0)
 
     def eval_shards(self, set_name: str, task: str) -> list[Path]:
         es = self.eval_sets.get(set_name)
@@ -202,7 +245,7 @@ class Manifest:
     # -- (de)serialisation -------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
         d = {
-            "schema": SCHEMA,
+            "schema": SCHEMA_ROWS if any(t.train.rows for t in self.tasks.values()) else SCHEMA,
             "name": self.name,
             "source": self.source,
             "source_args": self.source_args,
@@ -260,24 +303,37 @@ def _check_name(name: str, where: str) -> None:
         raise _err(where, f"name {name!r} cannot be a file name (no '/', '\\', NUL, leading '.')")
 
 
-def _shardset(d: Any, where: str, allow_empty: bool = False) -> ShardSet:
+def _shardset(d: Any, where: str, allow_empty: bool = False, rows: bool = False) -> ShardSet:
     if not isinstance(d, dict):
         raise _err(where, "must be an object with 'shards' and 'count'")
     shards = _req(d, "shards", list, where)
     count = _req(d, "count", int, where)
     if count < 0 or (count == 0 and not allow_empty):
         raise _err(f"{where}.count", f"must be a positive integer, got {count}")
+    sel, of = d.get("rows"), None
+    if sel is not None:
+        if not rows:
+            raise _err(f"{where}.rows", "only a task's train set may select rows")
+        if not isinstance(sel, str) or not sel.endswith(".npy") or _escapes(sel):
+            raise _err(f"{where}.rows", f"must be a relative .npy path in the stream, got {sel!r}")
+        of = _req(d, "of", int, where)
+        if of < count:
+            raise _err(f"{where}.of", f"the shards hold {of} samples, fewer than count {count}")
     for i, s in enumerate(shards):
         if not isinstance(s, str) or not s:
             raise _err(f"{where}.shards[{i}]", "must be a non-empty path string")
-        if ".." in Path(s).parts or Path(s).is_absolute() or "\x00" in s:
+        if _escapes(s):
             raise _err(
                 f"{where}.shards[{i}]",
                 f"path {s!r} escapes the stream folder (shard paths are relative, no '..')",
             )
     if count > 0 and not shards:
         raise _err(f"{where}.shards", "is empty but count > 0")
-    return ShardSet(shards=list(shards), count=count)
+    return ShardSet(shards=list(shards), count=count, rows=sel, of=of)
+
+
+def _escapes(path: str) -> bool:
+    return ".." in Path(path).parts or Path(path).is_absolute() or "\x00" in path
 
 
 def manifest_from_json(d: Any, root: Path | None = None) -> Manifest:
@@ -285,8 +341,10 @@ def manifest_from_json(d: Any, root: Path | None = None) -> Manifest:
     if not isinstance(d, dict):
         raise _err("top level", "must be a JSON object")
     schema = _req(d, "schema", str, "top level")
-    if schema != SCHEMA:
-        raise _err("schema", f"unsupported schema '{schema}' (this cvl reads '{SCHEMA}')")
+    if schema not in (SCHEMA, SCHEMA_ROWS):
+        raise _err(
+            "schema", f"unsupported schema '{schema}' (this cvl reads '{SCHEMA}', '{SCHEMA_ROWS}')"
+        )
     name = _req(d, "name", str, "top level")
     source = _req(d, "source", str, "top level")
     split_rule = d.get("split_rule", "")
@@ -307,7 +365,7 @@ def manifest_from_json(d: Any, root: Path | None = None) -> Manifest:
             raise _err(f"{where}.categories", "must be a list")
         tasks[tname] = TaskInfo(
             name=tname,
-            train=_shardset(td.get("train"), f"{where}.train"),
+            train=_shardset(td.get("train"), f"{where}.train", rows=True),
             description=str(td.get("description", "")),
             categories=cats,
             extra=extra,
@@ -448,7 +506,7 @@ def load_manifest(stream: str | os.PathLike, check_files: bool = True) -> Manife
             d = json.loads(read_bytes(f"{url}/{MANIFEST}"))
         except ValueError as e:
             raise CvlError(f"{url}/{MANIFEST}: not a stream manifest ({e})") from None
-        m = manifest_from_json(d, root=url)
+        m = use_index_prefixes(manifest_from_json(d, root=url))
         _preload_index(m)
         return m
     p = Path(stream)
@@ -462,11 +520,11 @@ def load_manifest(stream: str | os.PathLike, check_files: bool = True) -> Manife
         raise CvlError(
             f"{p}: not a stream folder (no {MANIFEST}); build one with `cvl build-stream`"
         )
-    m = manifest_from_json(read_json(mpath), root=mpath.parent.absolute())
+    m = use_index_prefixes(manifest_from_json(read_json(mpath), root=mpath.parent.absolute()))
     if check_files:
         for t in m.task_order:
-            for s in m.train_shards(t):
-                if not s.is_file():
+            for s in task_files(m, t):
+                if not is_remote(str(s)) and not Path(s).is_file():
                     raise CvlError(f"stream '{m.name}': task '{t}': missing shard {s}")
         for sname, es in m.eval_sets.items():
             for t in es.tasks:
@@ -513,6 +571,27 @@ def write_index_summary(m: Manifest, folder: str | os.PathLike) -> Path | None:
     return write_stream_summary(root, {n: str(m.resolve(n)) for n in shard_names(m)})
 
 
+def task_files(m: Manifest, task: str) -> list[Path | str]:
+    """The files a task's training set reads: its shards, and the rows file of a task built
+    in place (paths; URLs as str)."""
+    sel = m.selection(task)
+    if sel is None:
+        return list(m.train_shards(task))
+    return [*sel[0], sel[1]]
+
+
+def use_index_prefixes(m: Manifest) -> Manifest:
+    """Register the index prefix of each source collection that has one (``sources[].index``,
+    `cvl index --index-prefix`), so its shards' index files are found there."""
+    from cvl.data.index import use_index_prefix
+
+    for src in m.sources:
+        link, index = str(src.get("link") or "").rstrip("/"), src.get("index")
+        if link and index:
+            use_index_prefix(str(m.resolve(f"{link}/x"))[:-2], str(index))
+    return m
+
+
 def _source_roots(root: Path, sources: list[dict[str, Any]], seen: set[Path]) -> list[Path]:
     """The folders of the source streams declared by `sources[].link` (relative, inside
     `root`), and recursively of their own sources: a stream composed of composed streams."""
@@ -542,7 +621,7 @@ def check_inside(m: Manifest) -> None:
     if root is None:
         return
     allowed = [root, *_source_roots(root, m.sources, {root})]
-    sets = [("task", t, m.train_shards(t)) for t in m.task_order]
+    sets = [("task", t, [s for s in task_files(m, t) if isinstance(s, Path)]) for t in m.task_order]
     sets += [
         (f"eval set '{n}'", t, m.eval_shards(n, t)) for n, e in m.eval_sets.items() for t in e.tasks
     ]

@@ -343,4 +343,5 @@ def finish(m: Manifest, out: str, quiet: bool = False) -> None:
         )
     for w in rep.get("warnings", []):
         click.echo(f"  warning: {w}")
-    click.echo(f"  details: {rep_path} and dropped.jsonl")
+    dropped_file = " and dropped.jsonl" if (Path(out) / "dropped.jsonl").is_file() else ""
+    click.echo(f"  details: {rep_path}{dropped_file}")

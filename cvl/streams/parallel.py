@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 from collections.abc import Callable, Iterable, Iterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from cvl.streams.manifest import ShardSet
 from cvl.streams.writer import unique_key
@@ -79,3 +79,35 @@ def ordered_map(fn: Callable[[int], T], n: int, processes: int) -> Iterator[T]:
             yield from pool.imap(_call, range(n), chunksize=1)
     finally:
         _JOB = None
+
+
+def copy_entries(
+    entries: Any,
+    root: Any,
+    rel: str,
+    meta: Callable[[int, dict[str, Any]], dict[str, Any]],
+    shard_size: int,
+    processes: int = 1,
+) -> ShardSet:
+    """Copy samples (`cvl.data.index.Entries`, local or at URLs) into ``root/rel/*.tar`` as
+    they are (image and caption bytes); each KEY.json is `meta(position, its own KEY.json)`.
+    Keys are made unique over the set; `processes` write whole shards (the same bytes)."""
+    import json
+
+    from cvl.data.remote import Files
+    from cvl.streams.writer import ShardSink
+
+    files = Files()
+    keys = unique_keys(entries[i].key for i in range(len(entries)))
+    ranges = shard_ranges(len(entries), shard_size)
+
+    def write(k: int) -> ShardSet:
+        sink = ShardSink(root, rel, maxcount=shard_size, first=k)
+        for pos in ranges[k]:
+            e = entries[pos]
+            own = json.loads(files.read(e.shard, e.meta).decode("utf-8")) if e.meta else {}
+            cap = files.read(e.shard, e.text).decode("utf-8")
+            sink.write(keys[pos], files.read(e.shard, e.image), cap, meta(pos, own))
+        return sink.close()
+
+    return join_sets(map_shards(write, len(ranges), processes))

@@ -20,8 +20,8 @@ from cvl.streams.rows import (
     Dropper,
     Row,
 )
+from cvl.streams.splitcore import SPLITS, balance_chunks, column_split, instance_split
 
-SPLITS = ("train", "val", "test", "query", "gallery")
 EVAL_KIND = {"val": "pairs", "test": "pairs", "query": "query", "gallery": "gallery"}
 
 
@@ -91,9 +91,8 @@ class ColumnSplit(SplitRule):
 
     def assign(self, rows: list[Row], drop: Dropper) -> list[Row]:
         seen: dict[str, None] = dict.fromkeys(self.fixed or [])
-        groups: dict[tuple[str, str], list[Row]] = {}
-        pos = {id(r): i for i, r in enumerate(rows)}
-        for r in rows:
+        ok = np.zeros(len(rows), dtype=bool)
+        for i, r in enumerate(rows):
             if not r.task:
                 r.task = self.default_task
             if not r.task:
@@ -106,31 +105,29 @@ class ColumnSplit(SplitRule):
                 drop("unknown_split", r, detail=str(r.split))
                 continue
             seen.setdefault(r.task)
-            groups.setdefault((r.task, r.split), []).append(r)
+            ok[i] = True
         self._seen = list(seen)
-        out: list[Row] = []
-        for t_i, task in enumerate(self._seen):
-            rng = np.random.default_rng([self.seed, 777, t_i])
-            train = groups.get((task, "train"), [])
-            if self.val or self.test:
-                perm = [train[i] for i in rng.permutation(len(train))]
-                for r in perm[: self.test]:
-                    r.split = "test"
-                for r in perm[self.test : self.test + self.val]:
-                    r.split = "val"
-                self.drawn = {*self.drawn, *(id(r) for r in perm[: self.test + self.val])}
-                for s in ("test", "val"):
-                    groups.setdefault((task, s), []).extend(r for r in perm if r.split == s)
-                train = [r for r in train if r.split == "train"]
-                groups[(task, "train")] = train
-            for s in SPLITS:
-                g = groups.get((task, s), [])
-                lim = self.limit if s == "train" else self.eval_limit
-                if lim is not None and len(g) > lim:
-                    self.unsampled += len(g) - lim
-                    g = [g[i] for i in sorted(rng.choice(len(g), size=lim, replace=False))]
-                out.extend(sorted(g, key=lambda r: pos[id(r)]))
-        return out
+        of = {t: i for i, t in enumerate(self._seen)}
+        task = np.array([of[r.task] if k else -1 for r, k in zip(rows, ok)], dtype=np.int32)
+        split = np.array([SPLITS.index(r.split) if k else -1 for r, k in zip(rows, ok)], np.int8)
+        a = column_split(
+            task,
+            split,
+            len(self._seen),
+            val=self.val,
+            test=self.test,
+            limit=self.limit,
+            eval_limit=self.eval_limit,
+            seed=self.seed,
+        )
+        self.unsampled += a.unsampled
+        self.drawn = {*self.drawn, *(id(rows[i]) for i in np.flatnonzero(a.drawn))}
+        keep = np.flatnonzero(a.task >= 0)
+        for i in keep:
+            rows[i].split = SPLITS[a.split[i]]
+        # tasks in order, each split in SPLITS order, file order inside
+        order = keep[np.lexsort((keep, a.split[keep], a.task[keep]))]
+        return [rows[i] for i in order]
 
     def task_names(self) -> list[str]:
         return list(self._seen)
@@ -149,11 +146,6 @@ class ColumnSplit(SplitRule):
         if self.eval_limit is not None:
             parts.append(f"at most {self.eval_limit} pairs per task and eval set")
         return "; ".join(parts)
-
-
-def _chunks(items: list, n: int) -> list[list]:
-    """n contiguous, as-equal-as-possible parts (sizes differ by at most one)."""
-    return [[items[i] for i in part] for part in np.array_split(np.arange(len(items)), n)]
 
 
 class InstanceSplit(SplitRule):
@@ -192,50 +184,32 @@ class InstanceSplit(SplitRule):
         self.unsampled = 0
 
     def assign(self, rows: list[Row], drop: Dropper) -> list[Row]:
-        rng = np.random.default_rng([self.seed, 1234])
-        pos = {id(r): i for i, r in enumerate(rows)}
-        pools: dict[str, list[Row]] = {s: [] for s in SPLITS}
+        presplit = None
         if self.presplit:
-            for r in rows:
-                if r.split not in pools:
+            presplit = np.full(len(rows), -1, np.int8)
+            for i, r in enumerate(rows):
+                if r.split not in SPLITS:
                     drop("unknown_split", r, detail=r.split)
                     continue
-                pools[r.split].append(r)
-            for s in pools:
-                pools[s] = [pools[s][i] for i in rng.permutation(len(pools[s]))]
-        else:
-            perm = [rows[i] for i in rng.permutation(len(rows))]
-            nt, nv = self.test * self.chunks, self.val * self.chunks
-            pools["test"], pools["val"], pools["train"] = (
-                perm[:nt],
-                perm[nt : nt + nv],
-                perm[nt + nv :],
-            )
-        want = {
-            "train": self.train,
-            "val": self.val * self.chunks,
-            "test": self.test * self.chunks,
-            "query": None,
-            "gallery": None,
-        }
-        if self.presplit:  # official val/test sets: all of them unless a size is asked for
-            want["val"] = want["val"] or None
-            want["test"] = want["test"] or None
-        out: list[Row] = []
-        for split, pool in pools.items():
-            limit = want[split]
-            if limit is not None:
-                self.unsampled += max(0, len(pool) - limit)  # not used (not dropped: not asked for)
-                pool = pool[:limit]
-            self.got[split] = len(pool)
-            # keep file order inside a chunk so shards are easy to inspect
-            for name, part in zip(self.names, _chunks(pool, self.chunks)):
-                for r in sorted(part, key=lambda r: pos[id(r)]):
-                    r.split, r.task = split, name
-                    out.append(r)
+                presplit[i] = SPLITS.index(r.split)
+        a = instance_split(
+            len(rows),
+            self.chunks,
+            train=self.train,
+            val=self.val,
+            test=self.test,
+            seed=self.seed,
+            presplit=presplit,
+        )
+        self.unsampled += a.unsampled  # not used (not dropped: not asked for)
+        self.got.update(a.got)
+        keep = np.flatnonzero(a.task >= 0)
+        for i in keep:
+            rows[i].split, rows[i].task = SPLITS[a.split[i]], self.names[a.task[i]]
         if not self.presplit:
-            self.drawn = {id(r) for r in out if r.split in ("val", "test")}
-        return out
+            self.drawn = {id(rows[i]) for i in np.flatnonzero(a.drawn)}
+        # each split in SPLITS order, its chunks in order, file order inside a chunk
+        return [rows[i] for i in keep[np.lexsort((keep, a.task[keep], a.split[keep]))]]
 
     def task_names(self) -> list[str]:
         return list(self.names)
@@ -247,25 +221,14 @@ class InstanceSplit(SplitRule):
         """Equal training chunks again after failed downloads: trim to the smallest chunk."""
         if self.chunks == 1 or not self.equal:
             return rows
-        by: dict[tuple[str, str], list[Row]] = {}
-        for r in rows:
-            by.setdefault((r.split, r.task or ""), []).append(r)
-        rng = np.random.default_rng([self.seed, 4242])
-        out_ids: set[int] = set()
-        for split in SPLITS:
-            parts = [by.get((split, t), []) for t in self.names]
-            if split != "train":  # held-out sets keep what they have
-                out_ids.update(id(r) for p in parts for r in p)
-                continue
-            n = min(len(p) for p in parts)
-            for p in parts:
-                keep = set(rng.permutation(len(p))[:n].tolist())
-                for i, r in enumerate(p):
-                    if i in keep:
-                        out_ids.add(id(r))
-                    else:
-                        drop("chunk_balance", r, detail=f"trimmed to {n} per chunk")
-        return [r for r in rows if id(r) in out_ids]
+        of = {t: i for i, t in enumerate(self.names)}
+        task = np.array([of.get(r.task or "", -1) for r in rows], dtype=np.int32)
+        split = np.array([SPLITS.index(r.split) for r in rows], dtype=np.int8)
+        keep = balance_chunks(task, split, self.chunks, self.seed)
+        n = int(min(((split == 0) & (task == c)).sum() for c in range(self.chunks)))
+        for i in np.flatnonzero(~keep):
+            drop("chunk_balance", rows[i], detail=f"trimmed to {n} per chunk")
+        return [r for r, k in zip(rows, keep) if k]
 
     def describe(self) -> str:
         held = ", ".join(
@@ -339,6 +302,31 @@ class ClassSplit(SplitRule):
             + (" (seeded shuffle)" if self.shuffle else " (contiguous)")
             + (f"; {self.test} test pairs per task" if self.test else "")
         )
+
+
+def check_split_options(
+    time: bool,
+    task_col: str | None,
+    chunks: int,
+    sample: int | None,
+    limit: int | None,
+    more: tuple[str, ...] = (),
+) -> None:
+    """The options that choose a split exclude each other (`table`, `shards`): --time-col (with
+    `more`: other options a time split leaves no room for), --task-col, --chunks / --sample;
+    --limit-per-task goes with the first two."""
+    if time:
+        clash = [*more, *(["--task-col"] if task_col else [])]
+        clash += ["--sample"] if sample is not None else []
+        clash += ["--chunks"] if chunks != 1 else []
+        if clash:
+            raise CvlError(f"--time-col makes one task per period: drop {', '.join(clash)}")
+    if task_col and (sample is not None or chunks != 1):
+        raise CvlError(
+            "--task-col gives the tasks: use --limit-per-task instead of --sample/--chunks"
+        )
+    if not (task_col or time) and limit is not None:
+        raise CvlError("--limit-per-task needs --task-col or --time-col (else use --sample)")
 
 
 # -- task order ----------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ from cvl.streams.pipeline import (
     clean_text,
     has_surrogates,
 )
+from cvl.streams.splitrules import check_split_options
 from cvl.streams.tablefiles import (  # noqa: F401  (re-exported: their home was this module)
     FILE_STRIDE,
     FORMATS,
@@ -200,18 +201,8 @@ def build_table(
 
         return parse
 
-    if time is not None:
-        clash = [o for o, v in (("--task-col", task_col), ("--split-col", split_col)) if v]
-        clash += ["--sample"] if sample is not None else []
-        clash += ["--chunks"] if chunks != 1 else []
-        if clash:
-            raise CvlError(f"--time-col makes one task per period: drop {', '.join(clash)}")
-    if task_col and (sample is not None or chunks != 1):
-        raise CvlError(
-            "--task-col gives the tasks: use --limit-per-task instead of --sample/--chunks"
-        )
-    if not (task_col or time) and limit_per_task is not None:
-        raise CvlError("--limit-per-task needs --task-col or --time-col (else use --sample)")
+    more = ("--split-col",) if split_col else ()
+    check_split_options(time is not None, task_col, chunks, sample, limit_per_task, more)
     if no_header:
         for c in (url_col, caption_col, task_col, category_col, id_col, split_col):
             if c is not None and not str(c).isdigit():

@@ -25,6 +25,7 @@ import numpy as np
 
 from cvl.errors import CvlError
 from cvl.streams.rows import Dropper, Row
+from cvl.streams.splitcore import sample_positions
 from cvl.streams.writer import BuildReport
 
 FORMATS = ("csv", "tsv", "jsonl", "json", "parquet", "wds")
@@ -278,13 +279,7 @@ def collect(
         if parse(no, rec, drop) is not None:
             usable.append(no)
     n = len(usable)
-    if n > sample:
-        rng = np.random.default_rng([seed, 31337])
-        chosen = set(
-            np.asarray(usable)[np.sort(rng.choice(n, size=sample, replace=False))].tolist()
-        )
-    else:
-        chosen = set(usable)
+    chosen = set(np.asarray(usable)[sample_positions(n, sample, seed)].tolist())
     report.notes["sampled"] = {"usable": n, "asked": sample, "taken": len(chosen)}
     out = []
     for no, rec in records():

@@ -50,10 +50,12 @@ import numpy as np
 from cvl.errors import CvlError
 from cvl.streams.manifest import Benchmark, ShardSet
 from cvl.streams.rows import Dropper, Row
+from cvl.streams.splitcore import SPLITS, Assigned, time_split
 from cvl.streams.splitrules import SplitRule
 from cvl.streams.tablefiles import load_json
 
 UNITS = ("year", "quarter", "month")
+DROPS = ("missing_date", "bad_date", "before_since", "after_until")  # why a date is not used
 FORMATS = ("auto", "iso", "epoch", "epoch_ms")
 BENCH_PREFIX = "ret-"
 _UTC = _dt.timezone.utc
@@ -131,6 +133,26 @@ def _parse(value: Any, fmt: str) -> _dt.datetime:
 
 # a decimal number as text: digits with an optional sign, fraction and exponent
 _NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+
+
+def factorize(values: list[Any]) -> tuple[list[Any], np.ndarray]:
+    """The distinct values (first appearance order; 2014 and "2014" stay apart: each is parsed
+    by its own rule) and each item's index among them: dates are parsed once per value."""
+    at: dict[Any, int] = {}
+    uniq: list[Any] = []
+    inv = np.empty(len(values), dtype=np.int64)
+    for i, v in enumerate(values):
+        try:
+            k: Any = (type(v), v)
+            hash(k)
+        except TypeError:  # a list or object from JSON: unreadable, one entry per text
+            k = (type(v), repr(v))
+        j = at.get(k)
+        if j is None:
+            j = at[k] = len(uniq)
+            uniq.append(v)
+        inv[i] = j
+    return uniq, inv
 
 
 # -- periods ------------------------------------------------------------------------------------
@@ -310,86 +332,100 @@ class TimeSplit(SplitRule):
 
     # -- assign ---------------------------------------------------------------------------------
     def assign(self, rows: list[Row], drop: Dropper) -> list[Row]:
-        by: dict[tuple[int, ...], list[Row]] = {}
-        for r in rows:
-            raw = r.meta.get(self.column)
+        values, inverse = factorize([r.meta.get(self.column) for r in rows])
+        period, keys, details = self.periods_of(values)
+        period = period[inverse]
+        for i in np.flatnonzero(period < 0):
+            drop(DROPS[-1 - period[i]], rows[i], detail=details[inverse[i]])
+        dated = np.flatnonzero(period >= 0)
+        for i in dated:
+            rows[i].meta["period"] = self.p.label(keys[period[i]])
+        held = None
+        if self.eval_ids is not None:
+            self.note_eval_ids({rows[i].id for i in dated} & self.eval_ids)
+            held = np.array([r.id in self.eval_ids for r in rows], dtype=bool)
+        if not len(dated):
+            return []
+        a = self.split_periods(period, keys, held)
+        names = self.task_names()
+        self.drawn = {*self.drawn, *(id(rows[i]) for i in np.flatnonzero(a.drawn))}
+        keep = np.flatnonzero(a.task >= 0)
+        for i in keep:
+            rows[i].task, rows[i].split = names[a.task[i]], SPLITS[a.split[i]]
+        return [rows[i] for i in keep]
+
+    def periods_of(self, values: list[Any]) -> tuple[np.ndarray, list[tuple[int, ...]], list[str]]:
+        """Per distinct date value: the index of its period among the periods found (sorted,
+        returned second), or -1 - i for the drop reason ``DROPS[i]`` (missing or unreadable
+        date, before --since, after --until), and the reason's detail."""
+        code = np.full(len(values), -1, dtype=np.int64)
+        found: list[tuple[int, ...] | None] = []
+        details = []
+        for j, raw in enumerate(values):
+            k, why, detail = None, None, ""
             try:
                 dt = parse_time(raw, self.fmt)
             except ValueError:
-                drop("bad_date", r, detail=f"{self.column}={str(raw)[:80]!r}")
-                continue
-            if dt is None:
-                drop("missing_date", r, detail=f"no {self.column}")
-                continue
-            k = self.p.key(dt)
-            if self.since is not None and k < self.since:
-                drop("before_since", r, detail=self.p.label(k))
-                continue
-            if self.until is not None and k > self.until:
-                drop("after_until", r, detail=self.p.label(k))
-                continue
-            r.meta["period"] = self.p.label(k)
-            by.setdefault(k, []).append(r)
-        if self.eval_ids is not None:
-            found = {r.id for rs in by.values() for r in rs} & self.eval_ids
-            if len(found) < len(self.eval_ids):
-                eg = ", ".join(sorted(self.eval_ids - found)[:3])
-                self.warnings.append(
-                    f"--eval-ids: {len(self.eval_ids) - len(found)} of {len(self.eval_ids)} ids "
-                    f"match no dated pair in range (e.g. {eg})"
-                )
-        if not by:
-            return []
-        keys = sorted(by)
+                why, detail = "bad_date", f"{self.column}={str(raw)[:80]!r}"
+            else:
+                if dt is None:
+                    why, detail = "missing_date", f"no {self.column}"
+                else:
+                    k = self.p.key(dt)
+                    if self.since is not None and k < self.since:
+                        why, detail = "before_since", self.p.label(k)
+                    elif self.until is not None and k > self.until:
+                        why, detail = "after_until", self.p.label(k)
+            found.append(None if why else k)
+            details.append(detail)
+            if why:
+                code[j] = -1 - DROPS.index(why)
+        keys = sorted({k for k in found if k is not None})
+        at = {k: i for i, k in enumerate(keys)}
+        for j, k in enumerate(found):
+            if k is not None:
+                code[j] = at[k]
+        return code, keys, details
+
+    def note_eval_ids(self, found: set[str]) -> None:
+        """Warn when ids of --eval-ids match no dated pair in range (`found`: those that do)."""
+        assert self.eval_ids is not None
+        if len(found) < len(self.eval_ids):
+            eg = ", ".join(sorted(self.eval_ids - found)[:3])
+            self.warnings.append(
+                f"--eval-ids: {len(self.eval_ids) - len(found)} of {len(self.eval_ids)} ids "
+                f"match no dated pair in range (e.g. {eg})"
+            )
+
+    def split_periods(
+        self, period: np.ndarray, keys: list[tuple[int, ...]], held: np.ndarray | None
+    ) -> Assigned:
+        """Tasks and held-out sets of items whose period is an index into `keys` (sorted;
+        negative: dropped); `held`: the items of --eval-ids. Task indices follow
+        `task_names()`; fills the per-period counts."""
         if self.first is not None and not any(k <= self.first for k in keys):
             raise CvlError(
                 f"--first-until {self.first_until}: no dated pair up to it (the first period "
                 f"is {self.p.label(keys[0])})"
             )
-        head = [k for k in keys if self.first is not None and k <= self.first] or keys[:1]
-        groups = [head] + [[k] for k in keys[len(head) :]]
-        out: list[Row] = []
-        pos = {id(r): i for i, r in enumerate(rows)}
-        for ti, group in enumerate(groups):
-            labels = [self.p.label(k) for k in group]
+        head = max(1, sum(k <= self.first for k in keys)) if self.first is not None else 1
+        a, counts = time_split(
+            period,
+            len(keys),
+            head,
+            held,
+            test=self.test,
+            val=self.val,
+            limit=self.limit,
+            seed=self.seed,
+        )
+        self.unsampled += a.unsampled
+        for group in [keys[:head]] + [[k] for k in keys[head:]]:
             task = self.p.span_label(group[0], group[-1])
-            self.task_periods[task] = labels
-            rng = np.random.default_rng([self.seed, 2024, ti])
-            train: list[Row] = []
-            for k, lab in zip(group, labels):
-                rs = by[k]
-                for r in rs:
-                    r.task = task
-                if self.eval_ids is not None:
-                    held = [r for r in rs if r.id in self.eval_ids]
-                else:
-                    held = [rs[i] for i in sorted(rng.permutation(len(rs))[: self.test])]
-                ids = {id(r) for r in held}
-                for r in held:
-                    r.split = "test"
-                if self.eval_ids is None:
-                    self.drawn = {*self.drawn, *ids}
-                rest = [r for r in rs if id(r) not in ids]
-                train += rest
-                self.counts[lab] = {"task": task, "pairs": len(rs), "test": len(held)}
-                out += held
-            perm = rng.permutation(len(train))
-            for i in perm[: self.val]:
-                train[i].split = "val"
-            self.drawn = {*self.drawn, *(id(train[i]) for i in perm[: self.val])}
-            out += [r for r in train if r.split == "val"]
-            train = [r for r in train if r.split == "train"]
-            if self.limit is not None and len(train) > self.limit:
-                self.unsampled += len(train) - self.limit
-                train = [
-                    train[i] for i in sorted(rng.choice(len(train), self.limit, replace=False))
-                ]
-            for r in train:
-                self.counts[r.meta["period"]]["train"] = (
-                    self.counts[r.meta["period"]].get("train", 0) + 1
-                )
-            out += train
-        return sorted(out, key=lambda r: pos[id(r)])
+            self.task_periods[task] = [self.p.label(k) for k in group]
+            for k in group:
+                self.counts[self.p.label(k)] = {"task": task, **counts[keys.index(k)]}
+        return a
 
     def task_names(self) -> list[str]:
         return list(self.task_periods)

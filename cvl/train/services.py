@@ -10,6 +10,7 @@ import torch
 
 from cvl.data.index import Entries
 from cvl.data.reader import PairDataset, eval_loader
+from cvl.data.selection import task_dataset
 from cvl.data.transforms import image_transform
 from cvl.methods.base import TaskContext, frozen_copy
 from cvl.runs import MODEL_FILE, task_dir
@@ -21,7 +22,7 @@ class TrainerServices:
     def entries_of(self, task: str) -> Entries:
         """Training entries of a task (integers over its shards' on-disk indexes)."""
         if task not in self._entries:
-            ds = PairDataset.from_shards(self.manifest.train_shards(task), name=f"task {task}")
+            ds = task_dataset(self.manifest, task)
             self._entries[task] = ds.entries
             self.skipped = getattr(self, "skipped", {})
             self.skipped[task] = dict(ds.skipped)

@@ -36,15 +36,28 @@ def stream(tmp_path_factory):
 
 
 @pytest.fixture
-def served(stream, monkeypatch, tmp_path):
+def make_server(stream, monkeypatch, tmp_path):
+    """Start RangeServers over the stream's folder (options: `RangeServer`'s faults), with
+    no back-off, a fresh index cache and shard table; all closed at the end."""
     monkeypatch.setattr(remote, "BACKOFF_S", 0.0)
     monkeypatch.setenv("CVL_INDEX_CACHE", str(tmp_path / "index-cache"))
-    srv = RangeServer(stream.parent)
     idx.TABLE.__init__()
     samples._WINDOWS.clear()
     samples._WSTATE["bytes"] = 0
-    yield srv
-    srv.close()
+    started: list[RangeServer] = []
+
+    def make(**kw) -> RangeServer:
+        started.append(RangeServer(stream.parent, **kw))
+        return started[-1]
+
+    yield make
+    for srv in started:
+        srv.close()
+
+
+@pytest.fixture
+def served(make_server):
+    return make_server()
 
 
 def _task(srv: RangeServer, task: str = "t0", **kw) -> PairDataset:
@@ -127,39 +140,27 @@ def test_windows_cost_one_request_per_run(served, monkeypatch):
     assert len(served.tar_requests()) == 2
 
 
-def test_a_server_that_ignores_range_is_refused_at_once(stream, tmp_path, monkeypatch):
-    monkeypatch.setattr(remote, "BACKOFF_S", 0.0)
-    monkeypatch.setenv("CVL_INDEX_CACHE", str(tmp_path / "cache"))
-    srv = RangeServer(stream.parent, ignore_range=True)
-    idx.TABLE.__init__()
-    try:
-        ds = _task(srv)
-        srv.reset()
-        with pytest.raises(CvlError, match=r"ignores byte ranges.*honours Range.*--shard-cache"):
-            ds[0]
-        assert len(srv.tar_requests()) == 1  # refused at its first answer: no retry, no walk
-        # the shard cache fetches whole shards: the same samples from such a server
-        monkeypatch.setenv("CVL_SHARD_CACHE", str(tmp_path / "shards"))
-        srv.reset()
-        assert ds.__getitems__([0, 7, 3])[1]["caption"] == ds.read_raw(7)[1]
-        assert len(srv.tar_requests()) == 1 and srv.tar_requests()[0][1] is None
-    finally:
-        srv.close()
+def test_a_server_that_ignores_range_is_refused_at_once(make_server, tmp_path, monkeypatch):
+    srv = make_server(ignore_range=True)
+    ds = _task(srv)
+    srv.reset()
+    with pytest.raises(CvlError, match=r"ignores byte ranges.*honours Range.*--shard-cache"):
+        ds[0]
+    assert len(srv.tar_requests()) == 1  # refused at its first answer: no retry, no walk
+    # the shard cache fetches whole shards: the same samples from such a server
+    monkeypatch.setenv("CVL_SHARD_CACHE", str(tmp_path / "shards"))
+    srv.reset()
+    assert ds.__getitems__([0, 7, 3])[1]["caption"] == ds.read_raw(7)[1]
+    assert len(srv.tar_requests()) == 1 and srv.tar_requests()[0][1] is None
 
 
-def test_a_short_answer_is_a_transport_error(stream, tmp_path, monkeypatch):
-    monkeypatch.setattr(remote, "BACKOFF_S", 0.0)
-    monkeypatch.setenv("CVL_INDEX_CACHE", str(tmp_path / "cache"))
-    srv = RangeServer(stream.parent, short={".tar"})
-    idx.TABLE.__init__()
-    try:
-        ds = _task(srv)
-        srv.reset()
-        with pytest.raises(CvlError, match=r"unreachable after 5 tries.*_Short"):
-            ds[0]
-        assert len(srv.tar_requests()) == 5
-    finally:
-        srv.close()
+def test_a_short_answer_is_a_transport_error(make_server):
+    srv = make_server(short={".tar"})
+    ds = _task(srv)
+    srv.reset()
+    with pytest.raises(CvlError, match=r"unreachable after 5 tries.*_Short"):
+        ds[0]
+    assert len(srv.tar_requests()) == 5
 
 
 # -- the block order -------------------------------------------------------------------------

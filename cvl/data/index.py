@@ -15,6 +15,7 @@ building what is missing, a stream's summary) are `cvl.data.shardindex`; the tar
 
 from __future__ import annotations
 
+import bisect
 import os
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
@@ -218,9 +219,26 @@ class Entries(Sequence):
         return self.ids(np.arange(len(self)))
 
     def locate(self, i: int) -> tuple[int, int]:
-        """(shard id, row) of sample i."""
-        v = int(self.ids([i])[0])
-        return v // _ROW, v % _ROW
+        """(shard id, row) of sample i (bisection on Python lists: a single item costs no
+        numpy call; the lists are made on first use, O(parts + shards))."""
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError("Entries index out of range")
+        i = i + n if i < 0 else i
+        if not hasattr(self, "_lists"):
+            self._lists = (self.bounds.tolist(), {})
+        bounds, per = self._lists
+        k = bisect.bisect_right(bounds, i) - 1
+        kind, arr, cum = self.parts[k]
+        off = i - bounds[k]
+        if kind == "ids":
+            v = int(arr[off])
+            return v // _ROW, v % _ROW
+        if k not in per:
+            per[k] = (cum.tolist(), arr.tolist())
+        cl, sids = per[k]
+        j = bisect.bisect_right(cl, off) - 1
+        return sids[j], off - cl[j]
 
     def __getitem__(self, i: Any) -> Any:
         if isinstance(i, slice):

@@ -41,9 +41,9 @@ from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from cvl.data.augment import SplitTransform
 from cvl.data.images import MAX_PIXELS, open_image  # noqa: F401 (MAX_PIXELS: re-exported)
-from cvl.data.index import IMAGE_EXTS, TABLE, Entries, Entry, ids_of_refs, is_remote  # noqa: F401
+from cvl.data.index import _ROW, IMAGE_EXTS, TABLE, Entries, Entry, ids_of_refs, is_remote  # noqa: F401
 from cvl.data.order import aug_seeds, derive_key, permute
-from cvl.data.samples import _FILES, Sample, ShardError, read_entries, read_ids  # noqa: F401
+from cvl.data.samples import _FILES, Sample, ShardError, read_entries, read_ids, read_one  # noqa: F401
 from cvl.errors import CvlError
 
 
@@ -154,6 +154,9 @@ class PairDataset(Dataset):
     def _samples(self, idx: Sequence[int]) -> tuple[list[Sample], np.ndarray | None]:
         """The bytes of samples `idx` read together, and their packed ids (None: hand-made)."""
         if isinstance(self.entries, Entries):
+            if len(idx) == 1:  # PairDataset[i]: no numpy call on the way
+                sid, row = self.entries.locate(int(idx[0]))
+                return [read_one(sid, row, self.window)], np.array([sid * _ROW + row])
             ids = self.entries.ids(idx)
             return read_ids(ids, self.window), ids
         return read_entries([self.entries[i] for i in idx]), None

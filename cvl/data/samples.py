@@ -269,3 +269,21 @@ def read_member(e: Entry, field: str) -> bytes:
     else:
         data = _read_local(e.shard, path, off - HEADER, off + size)
     return _cut(e.shard, e.key, memoryview(data), off - HEADER, off, size)
+
+
+def read_one(sid: int, row: int, window: int = 1) -> Sample:
+    """One sample by (shard id, row): a local shard's in one `pread` with no numpy call on the
+    way (`PairDataset[i]`); a remote one through `read_ids` (windows, the shard cache)."""
+    path = TABLE.paths[sid]
+    if is_remote(path):
+        return read_ids(np.array([sid * _ROW + row], dtype=np.int64), window)[0]
+    rec = TABLE.rows(sid)[row]
+    io, isz = rec["image"].tolist()
+    to, tsz = rec["text"].tolist()
+    mo, msz = rec["meta"].tolist()
+    key = bytes(rec["key"]).decode("utf-8")
+    a = min(io, to, mo if mo >= 0 else io) - HEADER
+    b = max(io + isz, to + tsz, mo + msz if mo >= 0 else 0)
+    mv = memoryview(_read_local(path, path, a, b))
+    m = _cut(path, key, mv, a, mo, msz) if mo >= 0 else None
+    return Sample(path, key, _cut(path, key, mv, a, io, isz), _cut(path, key, mv, a, to, tsz), m)

@@ -129,7 +129,8 @@ def _fresh(cache: Path) -> None:
 
 def startup(srv: RangeServer, root: Path, names: int, latency: float, summary: bool) -> dict:
     from cvl.data.index import TABLE
-    from cvl.streams.manifest import load_manifest, shard_names
+    from cvl.streams.manifest import load_manifest
+    from cvl.streams.streamfiles import shard_names
 
     s = root / f"s{names}"
     hidden = s / "shards.idx.json.off"

@@ -46,13 +46,14 @@ ALLOWED = {
     # the reference pairs are read and decoded on the CPU; indices from a CPU generator
     ("methods/zscl.py", "ref_batch"),
     # the memory's token ids live on the CPU (pooled_length of the mixtures, before the copy)
-    ("methods/incclip.py", "pooled_length"),
+    ("models/text_embeds.py", "pooled_length"),
     # not per step: AFEC's expanded model trains its own epoch once per epoch (CPU-read data,
     # its optimizer's CPU step counters, its epoch loss read once)
     ("methods/afec.py", "_expanded_epoch"),
     # the loader's samples and batches (in its worker processes on a real run; here, with
     # --workers 0, in this one): decoded, cropped and collated on the host
     ("data/reader.py", "__getitem__"),
+    ("data/reader.py", "__getitems__"),  # a worker's whole batch
     ("data/reader.py", "collate"),
 }
 aten = torch.ops.aten

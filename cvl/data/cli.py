@@ -136,7 +136,8 @@ def index_cmd(
         )
     )
     if not pn:
-        from cvl.streams.manifest import load_manifest, write_index_summary
+        from cvl.streams.manifest import load_manifest
+        from cvl.streams.streamfiles import write_index_summary
 
         for p in streams:
             out = write_index_summary(load_manifest(p), p)
@@ -147,7 +148,8 @@ def index_cmd(
 def _stream_shards(path: str) -> list[str]:
     """A stream folder's shards by its manifest (a task built in place: its source shards, which
     a walk of the folder would not reach), else the path as given."""
-    from cvl.streams.manifest import MANIFEST, load_manifest, task_files
+    from cvl.streams.manifest import MANIFEST, load_manifest
+    from cvl.streams.streamfiles import task_files
 
     if not os.path.isfile(os.path.join(path, MANIFEST)):
         return [path]

@@ -118,7 +118,7 @@ def resolve_stream(run: Path, run_d: dict[str, Any], override: str | None) -> Pa
 
 def stream_warnings(run_d: dict[str, Any], manifest: Any) -> list[str]:
     """Why the stream evaluated may not be the one the run was trained on (both fingerprints)."""
-    from cvl.streams.manifest import file_sha256, manifest_file
+    from cvl.streams.streamfiles import file_sha256, manifest_file
 
     s = run_d.get("stream") or {}
     trained = s.get("fingerprint")
@@ -211,7 +211,7 @@ def _content_key(key: dict[str, Any], path: Path) -> str:
     """A checkpoint's cache key with its file's bytes (SHA-256) in place of its name, size and
     time: equal for two runs' identical weights evaluated the same way (same stream, columns,
     options, model config and tasks seen)."""
-    from cvl.streams.manifest import file_sha256
+    from cvl.streams.streamfiles import file_sha256
 
     rest = {k: v for k, v in key.items() if k not in ("checkpoint", "file")}
     return _hash({**rest, "sha256": file_sha256(path)})

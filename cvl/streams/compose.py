@@ -42,13 +42,13 @@ from cvl.streams.manifest import (
     Manifest,
     ShardSet,
     TaskInfo,
-    file_sha256,
     load_manifest,
     save_manifest,
 )
 from cvl.streams.options import echo_summary
 from cvl.streams.parallel import copy_entries
 from cvl.streams.pipeline import task_folders
+from cvl.streams.streamfiles import file_sha256
 from cvl.streams.writer import BuildReport
 
 TEST_MODES = ("split", "full", "none")

@@ -287,7 +287,7 @@ _OPTS = [
 )
 @click.option(
     "--shard-cache-gb",
-    type=float,
+    type=LIMITS["shard_cache_gb"],
     default=0.0,
     show_default=True,
     help="The --shard-cache folder's size bound in GB (0 = 64); the shards used longest ago "

@@ -259,6 +259,7 @@ LIMITS: dict[str, Num] = {
     "workers": WORKERS,
     "shuffle_block": POSITIVE_INT,
     "io_concurrency": NON_NEGATIVE_INT,
+    "shard_cache_gb": NON_NEGATIVE_FLOAT,
     "checkpoint_every": NON_NEGATIVE_INT,
     "log_every": POSITIVE_INT,
     "max_steps_per_task": NON_NEGATIVE_INT,

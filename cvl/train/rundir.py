@@ -44,7 +44,7 @@ def stream_location(stream: str | Path) -> str:
 
 def _manifest_sha(m: Manifest) -> str | None:
     """SHA-256 of the stream's stream.json: a stream rebuilt in place changes it (`created`)."""
-    from cvl.streams.manifest import file_sha256, manifest_file
+    from cvl.streams.streamfiles import file_sha256, manifest_file
 
     f = manifest_file(m)
     return file_sha256(f) if f is not None else None

@@ -26,7 +26,7 @@ import numpy as np
 
 from cvl.data.index import _ROW, TABLE, Entry, fix_command, is_remote
 from cvl.data.remote import Files, fetch_ranges
-from cvl.data.tarfmt import HEADER, header_mismatch
+from cvl.data.tarfmt import _REGULAR, HEADER, header_mismatch
 from cvl.errors import CvlError
 
 LOCAL_GAP = 4096  # bytes between two samples' ranges that one pread may span (local shards)
@@ -90,13 +90,23 @@ def _merge(starts: np.ndarray, ends: np.ndarray, gap: int) -> list[tuple[int, in
 
 
 def _cut(shard: str, key: str, buf: Any, base: int, off: int, size: int) -> bytes:
-    """A member's data from `buf` (bytes from `base` on), its header checked first."""
-    why = header_mismatch(buf[off - HEADER - base : off - base], key, size)
-    if why is not None:
-        raise ShardError(
-            f"{shard}: changed since it was indexed (where the index puts {key}, the tar holds "
-            f"{why}); rebuild its index with {fix_command(shard)} and start again"
-        )
+    """A member's data from `buf` (a memoryview of bytes from `base` on), its header checked
+    first: the common case (tarfile / GNU tar's name and size fields) compared in place, any
+    other header by `header_mismatch`."""
+    h = off - HEADER - base
+    kb = key.encode("utf-8") + b"."
+    if not (
+        buf[h + 124 : h + 135] == b"%011o" % size
+        and buf[h + 257 : h + 262] == b"ustar"
+        and buf[h + 156] in _REGULAR
+        and buf[h : h + len(kb)] == kb
+    ):
+        why = header_mismatch(buf[h : h + HEADER], key, size)
+        if why is not None:
+            raise ShardError(
+                f"{shard}: changed since it was indexed (where the index puts {key}, the tar "
+                f"holds {why}); rebuild its index with {fix_command(shard)} and start again"
+            )
     return bytes(buf[off - base : off + size - base])
 
 
@@ -277,11 +287,7 @@ def read_one(sid: int, row: int, window: int = 1) -> Sample:
     path = TABLE.paths[sid]
     if is_remote(path):
         return read_ids(np.array([sid * _ROW + row], dtype=np.int64), window)[0]
-    rec = TABLE.rows(sid)[row]
-    io, isz = rec["image"].tolist()
-    to, tsz = rec["text"].tolist()
-    mo, msz = rec["meta"].tolist()
-    key = bytes(rec["key"]).decode("utf-8")
+    io, isz, to, tsz, mo, msz, key = TABLE.row(sid, row)
     a = min(io, to, mo if mo >= 0 else io) - HEADER
     b = max(io + isz, to + tsz, mo + msz if mo >= 0 else 0)
     mv = memoryview(_read_local(path, path, a, b))

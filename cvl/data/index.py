@@ -188,6 +188,7 @@ class Entries(Sequence):
         self.parts = list(parts)  # empty parts too: their skipped samples count
         lens = [int(p[2][-1]) for p in self.parts]
         self.bounds = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+        self.n = int(self.bounds[-1])
 
     @classmethod
     def of_shards(cls, shards: Iterable[str | os.PathLike]) -> Entries:
@@ -217,7 +218,7 @@ class Entries(Sequence):
         return c
 
     def __len__(self) -> int:
-        return int(self.bounds[-1])
+        return self.n
 
     def ids(self, positions: np.ndarray | Sequence[int]) -> np.ndarray:
         """Packed (shard id, row) of the samples at `positions` (vectorised)."""

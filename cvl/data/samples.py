@@ -26,7 +26,7 @@ import numpy as np
 
 from cvl.data.index import _ROW, TABLE, Entry, fix_command, is_remote
 from cvl.data.remote import Files, fetch_ranges
-from cvl.data.tarfmt import _REGULAR, HEADER, header_mismatch
+from cvl.data.tarfmt import HEADER, header_mismatch
 from cvl.errors import CvlError
 
 LOCAL_GAP = 4096  # bytes between two samples' ranges that one pread may span (local shards)
@@ -89,25 +89,20 @@ def _merge(starts: np.ndarray, ends: np.ndarray, gap: int) -> list[tuple[int, in
     return [(s, e, np.array(m)) for s, e, m in out]
 
 
-def _cut(shard: str, key: str, buf: Any, base: int, off: int, size: int) -> bytes:
-    """A member's data from `buf` (a memoryview of bytes from `base` on), its header checked
-    first: the common case (tarfile / GNU tar's name and size fields) compared in place, any
-    other header by `header_mismatch`."""
+def _cut(shard: str, key: str, buf: bytes, base: int, off: int, size: int) -> bytes:
+    """A member's data from `buf` (bytes from `base` on), its header checked first: the
+    common case (the name and size fields as tarfile and GNU tar write them: a member of
+    another name or size cannot match) compared in place, any other header by
+    `header_mismatch`."""
     h = off - HEADER - base
-    kb = key.encode("utf-8") + b"."
-    if not (
-        buf[h + 124 : h + 135] == b"%011o" % size
-        and buf[h + 257 : h + 262] == b"ustar"
-        and buf[h + 156] in _REGULAR
-        and buf[h : h + len(kb)] == kb
-    ):
+    if not (buf.startswith(b"%011o" % size, h + 124) and buf.startswith(key.encode() + b".", h)):
         why = header_mismatch(buf[h : h + HEADER], key, size)
         if why is not None:
             raise ShardError(
                 f"{shard}: changed since it was indexed (where the index puts {key}, the tar "
                 f"holds {why}); rebuild its index with {fix_command(shard)} and start again"
             )
-    return bytes(buf[off - base : off + size - base])
+    return buf[off - base : off + size - base]
 
 
 def _local_path(shard: str) -> str:
@@ -176,9 +171,8 @@ def read_located(
     for (buf, base), s, k, (io, isz), (to, tsz), (mo, msz) in zip(  # type: ignore[misc]
         bufs, shards, keys, img.tolist(), txt.tolist(), meta.tolist()
     ):
-        mv = memoryview(buf)
-        m = _cut(s, k, mv, base, mo, msz) if mo >= 0 else None
-        out.append(Sample(s, k, _cut(s, k, mv, base, io, isz), _cut(s, k, mv, base, to, tsz), m))
+        m = _cut(s, k, buf, base, mo, msz) if mo >= 0 else None
+        out.append(Sample(s, k, _cut(s, k, buf, base, io, isz), _cut(s, k, buf, base, to, tsz), m))
     return out
 
 
@@ -278,7 +272,7 @@ def read_member(e: Entry, field: str) -> bytes:
             raise ShardError(str(err)) from None
     else:
         data = _read_local(e.shard, path, off - HEADER, off + size)
-    return _cut(e.shard, e.key, memoryview(data), off - HEADER, off, size)
+    return _cut(e.shard, e.key, data, off - HEADER, off, size)
 
 
 def read_one(sid: int, row: int, window: int = 1) -> Sample:
@@ -290,6 +284,8 @@ def read_one(sid: int, row: int, window: int = 1) -> Sample:
     io, isz, to, tsz, mo, msz, key = TABLE.row(sid, row)
     a = min(io, to, mo if mo >= 0 else io) - HEADER
     b = max(io + isz, to + tsz, mo + msz if mo >= 0 else 0)
-    mv = memoryview(_read_local(path, path, a, b))
-    m = _cut(path, key, mv, a, mo, msz) if mo >= 0 else None
-    return Sample(path, key, _cut(path, key, mv, a, io, isz), _cut(path, key, mv, a, to, tsz), m)
+    data = _read_local(path, path, a, b)
+    m = _cut(path, key, data, a, mo, msz) if mo >= 0 else None
+    return Sample(
+        path, key, _cut(path, key, data, a, io, isz), _cut(path, key, data, a, to, tsz), m
+    )

@@ -390,6 +390,10 @@ def sharded_copy(model: nn.Module, trainable: bool = False) -> nn.Module:
     for n, p in m.named_parameters():
         p.requires_grad_(trainable and grads.get(n, False))
     shard_(m, dev, mp)
+    from cvl.models.tune import _TRAINED_ATTR
+
+    if hasattr(model, _TRAINED_ATTR):  # what --tune trains (the merges' weights), as a copy
+        setattr(m, _TRAINED_ATTR, getattr(model, _TRAINED_ATTR))
     src = model.state_dict()
     with torch.no_grad():
         for k, v in m.state_dict().items():
@@ -515,6 +519,12 @@ def check_config(cfg: Any) -> None:
         raise CvlError(
             "--fsdp with --compile: not supported yet (the sharded forward is not compiled); "
             "drop one of them"
+        )
+    budget = str(getattr(cfg, "budget", None) or "")
+    if budget and not budget.strip().startswith("samples"):
+        raise CvlError(
+            f"--fsdp with --budget {budget}: a FLOPs or memory budget measures a step on "
+            "copies of the whole model, which is not done sharded; use --budget samples=N"
         )
     from cvl.models.tune import ADAPTER_MODES
 

@@ -9,9 +9,10 @@ every sharded operator against the whole-tensor one on its 2 processes
 (tests/fsdp_helpers.py: `sharded_ops_checked`).
 
 `matrix` (make matrix): every registered method under --fsdp against the same method without
-it, both on 2 processes, in ONE torchrun launch; and for one method per kind of mid-task
-state, a run that dies right after a mid-task checkpoint resumed by the same command, bit
-for bit equal to the uninterrupted run.
+it, both on 2 processes, and four settings (activation checkpointing, gradient accumulation,
+the fusion model, a freezing --tune mode) likewise, in ONE torchrun launch; and for one
+method per kind of mid-task state, a run that dies right after a mid-task checkpoint resumed
+by the same command, bit for bit equal to the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -182,9 +183,10 @@ def test_fsdp_ewc_on_two_processes_equals_one(request, torchrun_batch, synth_str
 
 # -- every method (make matrix) -------------------------------------------------------------------
 
-#: one method per kind of state a mid-task checkpoint must hold: importance and anchors
-#: (ewc), a momentum model and queues (ctp), an expanded model with its own optimizer (afec)
-RESUMED = ("ewc", "ctp", "afec")
+#: one method per kind of sharded state a mid-task checkpoint must hold: per-parameter
+#: importance and anchors (ewc); a sharded copy of the model with its own optimizer (afec)
+#: (CTP's momentum model and queues also resumed bit for bit when measured, 2026-11-28)
+RESUMED = ("ewc", "afec")
 #: settings that change how a sharded step runs, each with a method that exercises it
 SETTINGS = {
     "grad-checkpointing": ("lwf", "--grad-checkpointing"),
@@ -194,13 +196,7 @@ SETTINGS = {
     # a tuning mode that freezes parameters: the merge's weights (θ_0 from a copy) are the
     # trained ones only
     "bitfit": ("ties", "--tune", "bitfit"),
-    "bf16": ("lwf", "--precision", "bf16"),
 }
-#: bf16: FSDP2's policy computes with bf16 weights (LayerNorm and bias too), autocast alone
-#: with float32 weights cast per op; measured 2026-11-28 (2-core CPU): relative loss gap
-#: RELATIVE_BF16 max, weights within BF16_WEIGHTS (a fault, e.g. a rank's rows missing, moves
-#: losses by ~1e-1)
-BF16_LOSS_REL, BF16_WEIGHTS = 1e-2, 1e-2
 
 
 def _stream(root: Path) -> Path:
@@ -302,7 +298,8 @@ def test_fsdp_run_resumed_after_a_crash_is_bitwise_the_same(method, fsdp_runs):
 def test_settings_under_fsdp_equal_them_without(setting, fsdp_runs):
     """Activation checkpointing (a checkpointed block gathers its weights again), gradient
     accumulation (reduce-scatter on the last micro-batch only), the fusion model, a tuning
-    mode that freezes parameters, and bf16 (FSDP2's mixed-precision policy)."""
+    mode that freezes parameters. (bf16 cannot share the launch: Accelerate fixes the
+    precision once per process.)"""
     root, res, err = fsdp_runs
     method = SETTINGS[setting][0]
     for mode in ("ddp", "fsdp"):
@@ -313,12 +310,6 @@ def test_settings_under_fsdp_equal_them_without(setting, fsdp_runs):
     w1 = load_file(str(finished_tasks(root / f"ddp-{setting}" / method)[-1].model_path))
     w2 = load_file(str(finished_tasks(root / f"fsdp-{setting}" / method)[-1].model_path))
     assert w1.keys() == w2.keys()
-    if setting == "bf16":
-        for a, b in zip(l1, l2):
-            assert abs(a["loss"] - b["loss"]) <= BF16_LOSS_REL * abs(a["loss"]), (a, b)
-        for k in w1:
-            assert torch.allclose(w1[k].float(), w2[k].float(), atol=BF16_WEIGHTS), k
-        return
     tol, rel = TOL.get(method, 1e-5), method in TOL
     for a, b in zip(l1, l2):
         for k in {k for k, v in a.items() if isinstance(v, float) and k != "samples_per_s"}:

@@ -46,7 +46,6 @@ def global_kthvalue(tensors: Sequence[torch.Tensor], k: int) -> torch.Tensor:
     each step one all-reduced count (a 0-d int64)."""
     x = _local_entries(tensors)
     bits = x.view(_INT[x.element_size()]).to(torch.int64)
-    lo = torch.zeros((), dtype=torch.int64)
     top = bits.max() if bits.numel() else torch.zeros((), dtype=torch.int64, device=bits.device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(top, op=dist.ReduceOp.MAX)

@@ -149,12 +149,18 @@ def check_sharded_ops() -> None:  # noqa: PLR0915 (one list of checks)
     # the optimizer state leaves whole and comes back in slices; the weights likewise
     opt = torch.optim.AdamW(ps, lr=1e-3)
     opt.step()
-    out = fsdp.optimizer_state_out(opt)
+    written = fsdp.optimizer_state_out(opt)  # the main process's, to write
+    out = {"state": fsdp.to_full(opt.state_dict()["state"]), "param_groups": []}  # as read
+    out["param_groups"] = written["param_groups"]
     opt_w = torch.optim.AdamW(pw, lr=1e-3)
     opt_w.step()
     for i, st in opt_w.state_dict()["state"].items():
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.allclose(out["state"][i][key], st[key], atol=1e-7, rtol=0), (i, key)
+            if r == 0:
+                assert torch.equal(written["state"][i][key], out["state"][i][key])
+    dropped_here = any(v is None for st in written["state"].values() for v in st.values())
+    assert dropped_here == (r != 0)  # only the main process holds the whole moments
     back = torch.optim.AdamW(ps, lr=1e-3)
     back.load_state_dict(fsdp.optimizer_state_in(back, out))
     for i, st in back.state_dict()["state"].items():

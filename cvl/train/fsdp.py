@@ -276,15 +276,19 @@ def assign(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
-def to_full(obj: Any) -> Any:
-    """A nested state (dicts, lists, tensors, values) with every DTensor gathered whole
-    (every process calls it: one collective per DTensor, in the state's order)."""
+def to_full(obj: Any, main_only: bool = False) -> Any:
+    """A nested state (dicts, lists, tensors, values) with every DTensor gathered whole, on
+    the CPU (every process calls it: one collective per DTensor, in the state's order, so
+    only one whole tensor is on the device at a time). `main_only`: only the main process
+    keeps the whole tensors (the one that writes them); the others get None in their place."""
     if is_dtensor(obj):
-        return obj.detach().full_tensor()
+        w = obj.detach().full_tensor()
+        keep = not main_only or not dist.is_initialized() or dist.get_rank() == 0
+        return w.cpu() if keep else None
     if isinstance(obj, dict):
-        return {k: to_full(v) for k, v in obj.items()}
+        return {k: to_full(v, main_only) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(to_full(v) for v in obj)
+        return type(obj)(to_full(v, main_only) for v in obj)
     return obj
 
 
@@ -485,10 +489,11 @@ def clip_grad_norm_(params: Sequence[torch.Tensor], max_norm: float) -> torch.Te
 
 
 def optimizer_state_out(opt: Any) -> dict[str, Any]:
-    """`opt.state_dict()` with every sharded moment gathered whole (every process calls it),
-    so last/optimizer.pt is the file a run without --fsdp writes."""
+    """`opt.state_dict()` with every sharded moment gathered whole on the CPU of the main
+    process (every process calls it; the others keep None), so last/optimizer.pt is the
+    file a run without --fsdp writes."""
     sd = opt.state_dict()
-    return {"state": to_full(sd["state"]), "param_groups": sd["param_groups"]}
+    return {"state": to_full(sd["state"], main_only=True), "param_groups": sd["param_groups"]}
 
 
 def optimizer_state_in(opt: Any, sd: dict[str, Any]) -> dict[str, Any]:

@@ -390,7 +390,9 @@ class RunFolder:
         scaler = getattr(self.acc, "scaler", None)
         if scaler is not None and scaler.is_enabled():
             st["grad_scaler"] = scaler.state_dict()
-        return fsdp.to_full(st)  # sharded state gathered whole (every process calls this)
+        # sharded state gathered whole for the main process, which writes it (every process
+        # calls this)
+        return fsdp.to_full(st, main_only=True)
 
     def _load_last(self, opt: Any, sched: Any, ctx: TaskContext, total: int) -> None:
         """Restore the mid-task checkpoint (weights, optimizer, schedule, method state), then
@@ -477,7 +479,7 @@ class RunFolder:
         opt_state = fsdp.optimizer_state_out(opt) if sharded else opt.state_dict()
         keeper = getattr(self, "_keeper", None)
         best = keeper.weights if keeper is not None else None
-        best = fsdp.to_full(best) if sharded and best is not None else best
+        best = fsdp.to_full(best, main_only=True) if sharded and best is not None else best
         if self.acc.is_main_process:
             with atomic_dir(self.out / LAST, overwrite=True, retry="run") as tmp:
                 save_weights(self.model, tmp / MODEL_FILE, state=weights)

@@ -14,6 +14,7 @@ def methods(verbose: bool) -> None:
     Any method combines with a replay buffer: `--buffer reservoir|ring|kmeans|mof`.
     """
     from cvl.methods.registry import all_methods
+    from cvl.train.fsdp import method_support
 
     reg = all_methods()
     w = max(len(n) for n in reg)
@@ -24,6 +25,9 @@ def methods(verbose: bool) -> None:
             click.echo(pad + "defaults: " + ", ".join(f"{k}={v}" for k, v in cls.defaults.items()))
         if cls.tunes:
             click.echo(pad + f"needs: --tune {' or '.join(cls.tunes)}")
+        why = method_support(cls)
+        if why is not True:
+            click.echo(pad + f"--fsdp: not supported ({why})")
         if verbose and cls.__doc__:
             for line in cls.__doc__.strip().splitlines()[1:]:
                 click.echo(pad + line.strip())

@@ -66,16 +66,17 @@ def _models():
     return whole, sharded
 
 
-def _same(sharded: dict, whole: dict, what: str, atol: float = 0.0) -> None:
+def _same(sharded: dict, whole: dict, what: str, atol: float = 0.0, rtol: float = 0.0) -> None:
     from cvl.train.fsdp import full
 
     assert sharded.keys() == whole.keys(), what
     for k, v in sharded.items():
         got, want = full(v), whole[k]
-        if atol == 0.0:
+        if atol == 0.0 and rtol == 0.0:
             assert torch.equal(got, want), (what, k, float((got - want).abs().max()))
         else:
-            assert torch.allclose(got, want, atol=atol, rtol=0), (what, k)
+            ok = torch.allclose(got, want, atol=atol, rtol=rtol)
+            assert ok, (what, k, float((got - want).abs().max()))
 
 
 def check_sharded_ops() -> None:  # noqa: PLR0915 (one list of checks)
@@ -120,7 +121,8 @@ def check_sharded_ops() -> None:  # noqa: PLR0915 (one list of checks)
     for m, taus in ((ms_s, (ts, ts2)), (ms_w, (tw, tw2))):
         for t in taus:
             m.add(t)
-    _same(ms_s.merged(s), ms_w.merged(w), "model_stock", atol=1e-7)
+    # the angles are sums over shards in another order: float32 rounding, 2 ulps of entries ~1
+    _same(ms_s.merged(s), ms_w.merged(w), "model_stock", atol=1e-7, rtol=2.5e-7)
     lin = linear_weights(whole)
     _same(opcm_step(ts, ts2, 1.3, 0.5, lin), opcm_step(tw, tw2, 1.3, 0.5, lin), "opcm", 1e-6)
     # gradients: the norm and the clipping, over sharded and whole (the logit scale) tensors

@@ -41,7 +41,7 @@ def save_weights(
     meta = {"format": "pt", "cvl_kind": str(getattr(model, "kind", ""))}
     try:
         if state is not None:  # a sharded model's, gathered
-            from cvl.train.fsdp import tied_names
+            from cvl.models.sharded import tied_names
 
             dropped = {k: v for k, v in tied_names(model).items() if k not in state}
             save_file(state, tmp, metadata={**dropped, **meta})
@@ -91,7 +91,7 @@ def load_weights(model: VLModel, path: str | os.PathLike) -> None:
     from cvl.models.tune import assign_, has_adapters
 
     try:
-        from cvl.train.fsdp import is_sharded, load_state_
+        from cvl.models.sharded import is_sharded, load_state_
 
         if is_sharded(model):  # --fsdp: each process takes its slice of every tensor
             from safetensors.torch import load_file

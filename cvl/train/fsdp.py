@@ -45,6 +45,15 @@ import torch.distributed as dist
 from torch import nn
 
 from cvl.errors import CvlError
+from cvl.models.sharded import (  # noqa: F401  (re-exported: the training side's names)
+    _TIED,
+    assign,
+    is_dtensor,
+    is_sharded,
+    load_state_,
+    reshard_like,
+    tied_names,
+)
 
 #: the model's methods that methods call outside `forward` (gather the model's own group)
 FORWARD_METHODS = (
@@ -67,25 +76,11 @@ TOWERS = {
 }
 #: names of the module lists whose elements are transformer blocks
 _BLOCKS = re.compile(r"(^|\.)(resblocks|blocks|layer)$")
-_TIED = "_cvl_tied"  # on a sharded model: {dropped name: kept name} of its tied tensors
 _mesh: Any = None
 _own_group = False  # a one-process group made here (a launcher's group is not ours to end)
 
 
 # -- what is sharded -----------------------------------------------------------------------------
-def is_dtensor(t: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
-
-
-def is_sharded(model: Any) -> bool:
-    """Whether `model` was sharded by `shard_`."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
-
-
 def device_mesh(device: torch.device) -> Any:
     """The 1-D mesh of all processes (one process: a group of one, which shards nothing)."""
     global _mesh, _own_group
@@ -144,19 +139,6 @@ def _policy(precision: str) -> Any:
     if precision == "bf16":  # gathered and computed in bf16, gradients reduced in float32
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
-
-
-def tied_names(model: nn.Module) -> dict[str, str]:
-    """{dropped name: kept name} of the state dict's tied tensors, as `save_weights` (and
-    safetensors' `save_model`) drop them: the first name in sorted order is kept."""
-    groups: dict[int, list[str]] = {}
-    for k, v in model.state_dict(keep_vars=True).items():
-        groups.setdefault(id(v), []).append(k)
-    out = {}
-    for names in groups.values():
-        names = sorted(names)
-        out.update({n: names[0] for n in names[1:]})
-    return out
 
 
 def shard_(model: nn.Module, device: torch.device, precision: str = "no") -> nn.Module:
@@ -255,27 +237,6 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.detach().full_tensor() if is_dtensor(t) else t.detach()
 
 
-def reshard_like(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """`whole` sharded as `like` is (this process's slice, no communication) on `like`'s
-    device; for a `like` that is not sharded, `whole` on its device."""
-    whole = whole.to(like.device)
-    if not is_dtensor(like):
-        return whole
-    from torch.distributed.tensor import distribute_tensor
-
-    return distribute_tensor(whole, like.device_mesh, like.placements, src_data_rank=None)
-
-
-def assign(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst ← src in place, whichever of them is sharded (a whole `src` is sliced)."""
-    with torch.no_grad():
-        if is_dtensor(dst) and not is_dtensor(src):
-            src = reshard_like(src.to(dst.dtype), dst)
-        elif is_dtensor(src) and not is_dtensor(dst):
-            src = src.full_tensor()
-        dst.copy_(src)
-
-
 def to_full(obj: Any, main_only: bool = False) -> Any:
     """A nested state (dicts, lists, tensors, values) with every DTensor gathered whole, on
     the CPU (every process calls it: one collective per DTensor, in the state's order, so
@@ -343,19 +304,6 @@ def full_state(model: nn.Module) -> dict[str, torch.Tensor] | None:
         if main:
             out[k] = w.to("cpu", copy=True).contiguous()
     return out
-
-
-def load_state_(model: nn.Module, state: dict[str, torch.Tensor]) -> tuple[list, list]:
-    """Copy whole tensors (plain names) into a sharded model, each process its slice;
-    returns (missing, unexpected) names (a tied name counts as given with its partner)."""
-    ties = getattr(model, _TIED, {})
-    live = model.state_dict()
-    unexpected = sorted(set(state) - set(live))
-    missing = sorted(k for k in live if k not in state and ties.get(k) not in state)
-    for k, v in state.items():
-        if k in live:
-            assign(live[k], v)
-    return missing, unexpected
 
 
 def state_copy(model: nn.Module) -> dict[str, torch.Tensor]:

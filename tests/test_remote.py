@@ -231,7 +231,7 @@ def test_an_old_shuffle_block_run_resumes_with_its_order(stream, tmp_path):
 
 
 # -- S3 (moto's S3 server) and HTTP: train, SIGKILL, resume, evaluate --------------------------
-@pytest.mark.slow
+@pytest.mark.matrix  # ~50 s for both: make matrix
 @pytest.mark.parametrize("store", ["s3", "http"])
 def test_a_stream_in_a_store_trains_resumes_bitwise_and_evaluates(
     store, stream, tmp_path, monkeypatch

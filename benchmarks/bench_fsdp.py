@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
 import sys
 import time
@@ -159,19 +157,9 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
 
 
 def step_time(args: argparse.Namespace) -> dict:
-    import tempfile
+    from two_procs import run_two
 
-    import torch.multiprocessing as mp
-
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # gloo on the CPU
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        mp.spawn(_worker, args=(port, args, out), nprocs=2, join=True)
-        with open(out) as f:
-            return json.load(f)
+    return run_two(_worker, args)  # gloo on the CPU
 
 
 def main() -> None:

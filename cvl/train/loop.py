@@ -48,6 +48,8 @@ from cvl.methods.base import Method, TaskContext, check_base_loss
 from cvl.methods.registry import get_method
 from cvl.progress import progress_bar
 from cvl.streams.manifest import Manifest, load_manifest
+from cvl.train.accum import FeatureCache, accumulate, is_cached, rank_major
+from cvl.train.accum import check as check_accumulation
 from cvl.train.budget import budget_options, measure_step, parse_budget, plan_task
 from cvl.train.config import TrainConfig
 from cvl.train.cost import CostTracker
@@ -126,6 +128,8 @@ class Trainer(RunFolder, NonFiniteGuards, TrainerServices):
         self.budget_opts = budget_options(self.budget, cfg.budget_args)
         self.method_cls = get_method(cfg.method)
         self.method: Method = self.method_cls(cfg.method_args)
+        cached = is_cached(cfg)
+        check_accumulation(self.method, cfg)  # a method cached accumulation cannot serve
         if cfg.base_loss != "itc" and getattr(self.method, "itc_only", False):
             raise CvlError(
                 f"method '{cfg.method}' trains with its own contrastive objective: "
@@ -162,6 +166,8 @@ class Trainer(RunFolder, NonFiniteGuards, TrainerServices):
         # the training forward; methods' extra passes (old models, sub-encoders) stay eager
         self._forward = torch.compile(self.model) if cfg.compile else self.model
         self._reducer = GradReducer()  # gradients averaged over ranks during the backward
+        # --accum-mode cached: one loss over the step's micro-batches (cvl.train.accum)
+        self._cache = FeatureCache(self.model, cfg.grad_accum, self.acc.device) if cached else None
 
     # -- setup -------------------------------------------------------------------------------
 
@@ -259,16 +265,28 @@ class Trainer(RunFolder, NonFiniteGuards, TrainerServices):
     ) -> tuple[dict, torch.Tensor]:
         """One micro-batch's forward and loss terms (images finished on the device by the
         split `transform`, or moved there as they are); (terms, sum)."""
-        acc = self.acc
-        batch["image"] = device_images(batch, transform, acc.device)
-        batch["text"] = batch["text"].to(acc.device, non_blocking=True)
-        with acc.autocast():
+        self._inputs(batch, transform)
+        return self._terms(batch, self._outputs(batch, ctx, forward), ctx)
+
+    def _inputs(self, batch: dict, transform: Any = None) -> None:
+        """The batch's images and tokens on the device (images finished by the split
+        `transform`, or moved as they are)."""
+        batch["image"] = device_images(batch, transform, self.acc.device)
+        batch["text"] = batch["text"].to(self.acc.device, non_blocking=True)
+
+    def _outputs(self, batch: dict, ctx: TaskContext, forward: Any) -> dict:
+        """The training forward on the batch's device inputs (the step's autocast)."""
+        with self.acc.autocast():
             try:
-                out = forward(batch["image"], batch["text"])
+                return forward(batch["image"], batch["text"])
             except ValueError as e:  # a batch BatchNorm cannot train on: one line
                 if BN_MESSAGE not in str(e):
                     raise
                 raise CvlError(batchnorm_message(ctx.task_name, batch["image"].shape[0])) from None
+
+    def _terms(self, batch: dict, out: dict, ctx: TaskContext) -> tuple[dict, torch.Tensor]:
+        """The method's loss terms (under the step's autocast) and their sum."""
+        with self.acc.autocast():
             terms = self.method.loss(batch, out, ctx)
         if not terms:
             raise CvlError(f"method '{self.cfg.method}' returned no loss terms")
@@ -421,20 +439,27 @@ class Trainer(RunFolder, NonFiniteGuards, TrainerServices):
                     yield data.batch(e, b)  # computed when the loader asks: nothing stored
 
         # one loader (one set of workers) for the whole task: they prefetch across epoch ends
+        planned = plan()
+        if self._cache is not None:  # each rank's micro-batches: its slice of the step's batch
+            planned = rank_major(planned, cfg.grad_accum, acc.num_processes)
         batches = iter(
             make_loader(
                 ds,
-                prefetching(ds, plan()),  # --shard-cache: the coming batches' shards
+                prefetching(ds, planned),  # --shard-cache: the coming batches' shards
                 acc.process_index,
                 acc.num_processes,
                 self.workers,
                 pin_memory=acc.device.type == "cuda",
             )
         )
-        window = LogWindow(acc.device, cfg.grad_accum)
+        window = LogWindow(acc.device, 1 if self._cache is not None else cfg.grad_accum)
         params = self._task_params
         inner = getattr(opt, "optimizer", opt)  # zero_grad without Accelerate's per-step checks
         skip_mode = cfg.skip_nonfinite > 0  # a bad step must not update: read before each one
+
+        def prepare(last: bool) -> None:  # before a backward: the reducer sends on the last
+            self._reducer.prepare(params, last)
+
         done = ctx.step >= total
         for epoch in range(epoch0, steps.epochs):
             if done:
@@ -455,13 +480,12 @@ class Trainer(RunFolder, NonFiniteGuards, TrainerServices):
                     )
                     self.method.before_step(ctx)
                     window.begin_step(ctx.step + 1, opt.param_groups[0]["lr"], batch.get("id"))
-                terms, loss = self._micro(batch, ctx, self._forward, ds.transform)
-                self._reducer.prepare(params, micro + 1 == cfg.grad_accum)
-                self._backward(loss)
-                window.add_micro(terms, ctx.metrics, batch)
-                if skip_mode:
-                    losses.append(loss)
-                ctx.metrics = {}
+                got = accumulate(self, batch, ctx, micro, ds.transform, self._forward, prepare)
+                if got is not None:  # a loss ran its backward (cached: the step's, once)
+                    window.add_micro(got[1], ctx.metrics, got[0])
+                    if skip_mode:
+                        losses.append(got[2])
+                    ctx.metrics = {}
                 micro += 1
                 if micro < cfg.grad_accum:
                     continue
@@ -472,7 +496,7 @@ class Trainer(RunFolder, NonFiniteGuards, TrainerServices):
                 if skip_step:  # the backward ran (its read came after it): drop its gradients
                     self._reducer.finish(params)
                     rec = window.current
-                    n = cfg.grad_accum
+                    n = window.grad_accum  # losses per step (cached: one)
                     bad = {k: sum(float(d[k]) for d in rec.terms) / n for k in rec.terms[0]}
                     self._nonfinite(bad, rec, ctx)
                     window.skip_step(bad)

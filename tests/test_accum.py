@@ -67,3 +67,34 @@ def test_fusion_model_is_refused_in_one_line(stream, tmp_path):
     cfg = resolve(None, {"stream": str(stream), "out": str(tmp_path / "r"), **over})
     with pytest.raises(CvlError, match="--accum-mode cached: method 'seqft' with --model fusion"):
         Trainer(cfg, progress=False)
+
+
+@pytest.mark.parametrize(
+    "over, says",
+    [
+        ({"method": "lwf"}, "method 'lwf': not yet tested"),
+        (
+            {"method": "seqft", "buffer": "reservoir", "buffer_size": 16},
+            "method 'seqft': with --buffer",
+        ),
+    ],
+)
+def test_an_untested_method_or_option_is_refused_by_name(over, says, stream, tmp_path):
+    from cvl.errors import CvlError
+    from cvl.train.config import resolve
+    from cvl.train.loop import Trainer
+
+    over = {**over, "grad_accum": 2, "accum_mode": "cached"}
+    cfg = resolve(None, {"stream": str(stream), "out": str(tmp_path / "r"), **over})
+    with pytest.raises(CvlError, match=f"--accum-mode cached: {says}".replace("(", r"\(")):
+        Trainer(cfg, progress=False)
+
+
+def test_cvl_methods_says_which_methods_cached_accumulation_trains():
+    from click.testing import CliRunner
+
+    from cvl.methods.cli import methods
+
+    text = CliRunner().invoke(methods).output
+    assert "--accum-mode cached: yes" in text
+    assert "--accum-mode cached: refused: not yet tested" in text

@@ -14,6 +14,7 @@ def methods(verbose: bool) -> None:
     Any method combines with a replay buffer: `--buffer reservoir|ring|kmeans|mof`.
     """
     from cvl.methods.registry import all_methods
+    from cvl.train.accum import UNVERIFIED, VERIFIED
 
     reg = all_methods()
     w = max(len(n) for n in reg)
@@ -24,6 +25,8 @@ def methods(verbose: bool) -> None:
             click.echo(pad + "defaults: " + ", ".join(f"{k}={v}" for k, v in cls.defaults.items()))
         if cls.tunes:
             click.echo(pad + f"needs: --tune {' or '.join(cls.tunes)}")
+        why = cls.cached_refusal or (None if name in VERIFIED else UNVERIFIED)
+        click.echo(pad + "--accum-mode cached: " + (f"refused: {why}" if why else "yes"))
         if verbose and cls.__doc__:
             for line in cls.__doc__.strip().splitlines()[1:]:
                 click.echo(pad + line.strip())

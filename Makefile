@@ -34,7 +34,8 @@ test: $(STAMP)
 smoke: $(STAMP)
 	$(BIN)/python -m pytest -q -m recipes -n 2 --durations=0 tests/test_recipes.py
 
-# Every method under each training mode against its reference run (tests marked `matrix`:
+# Every method under each training mode against its reference run and the longest end-to-end
+# runs (object stores, two nodes, shards in place) (tests marked `matrix`:
 # cached gradient accumulation = one big batch, FSDP2 = DDP), which `make test` leaves out.
 matrix: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m matrix -n 2 --dist loadgroup --durations=20

@@ -21,10 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
-import sys
 import time
 
 
@@ -144,20 +141,9 @@ def main() -> None:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--precision", choices=("no", "bf16"), default="no")
     args = ap.parse_args()
-    import tempfile
+    from two_procs import run_two
 
-    import torch.multiprocessing as mp
-
-    if args.device == "cpu":
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # gloo on the CPU even on a GPU machine
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        mp.spawn(_worker, args=(port, args, out), nprocs=2, join=True)
-        with open(out) as f:
-            sys.stdout.write(f.read() + "\n")
+    print(json.dumps(run_two(_worker, args, cpu=args.device == "cpu")))
 
 
 if __name__ == "__main__":

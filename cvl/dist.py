@@ -193,6 +193,7 @@ def average_gradients(params: list[torch.nn.Parameter]) -> None:
     rank counts as zero there; one without a gradient on every rank keeps `grad = None`.
     """
     w = world_size()
+    params = [p for p in params if not _sharded(p)]  # FSDP has averaged those (--fsdp)
     if w == 1 or not params:
         return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
@@ -214,6 +215,12 @@ def average_gradients(params: list[torch.nn.Parameter]) -> None:
         else:
             p.grad.copy_(flat[off : off + n].view_as(p))
         off += n
+
+
+def _sharded(p: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(p, DTensor)
 
 
 class _Bucket:

@@ -104,7 +104,7 @@ def _two_nodes(args: list[str], tmp: Path, tag: str) -> list[subprocess.Popen]:
     return [_node(r, port, rdzv, args, tmp / f"{tag}-node{r}.log") for r in (0, 1)]
 
 
-@pytest.mark.slow
+@pytest.mark.matrix  # ~90 s: make matrix
 def test_two_nodes_train_as_one_node_of_two_processes_and_resume_after_a_node_dies(tmp_path):
     stream = build_tiny_stream(tmp_path / "s")
     # one node, two processes: the reference

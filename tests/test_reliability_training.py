@@ -119,7 +119,7 @@ def test_disk_full_while_saving_last_is_one_line_and_the_rerun_resumes(
     calls = {"n": 0}
     real = rundir.save_torch if writer == "save_torch" else cvl.models.save_weights
 
-    def full(*args):
+    def full(*args, **kw):
         path = Path(args[0] if writer == "save_torch" else args[1])
         if path.parent.name.startswith(".last."):  # the second mid-task checkpoint fails
             calls["n"] += 1
@@ -127,7 +127,7 @@ def test_disk_full_while_saving_last_is_one_line_and_the_rerun_resumes(
                 raise OSError(errno.ENOSPC, "No space left on device", str(path))
             if calls["n"] == 2:
                 _safetensors_full()
-        return real(*args)
+        return real(*args, **kw)
 
     if writer == "save_torch":
         monkeypatch.setattr(rundir, "save_torch", full)

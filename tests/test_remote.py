@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from pathlib import Path
 
 import numpy as np
@@ -230,7 +231,7 @@ def test_an_old_shuffle_block_run_resumes_with_its_order(stream, tmp_path):
 
 
 # -- S3 (moto's S3 server) and HTTP: train, SIGKILL, resume, evaluate --------------------------
-@pytest.mark.slow
+@pytest.mark.matrix  # ~50 s for both: make matrix
 @pytest.mark.parametrize("store", ["s3", "http"])
 def test_a_stream_in_a_store_trains_resumes_bitwise_and_evaluates(
     store, stream, tmp_path, monkeypatch
@@ -264,3 +265,48 @@ class _http:
 
     def __exit__(self, *exc: object) -> None:
         self.srv.close()
+
+
+def _cached(tmp_path: Path) -> list[Path]:
+    """The shards in the test's shard cache (not the partial downloads)."""
+    return sorted(p for p in (tmp_path / "shards").iterdir() if p.is_file() and p.name[0] != ".")
+
+
+def test_the_shard_cache_keeps_its_bound_and_serves_locally(served, stream, tmp_path, monkeypatch):
+    tars = [load_manifest(stream).train_shards(t)[0] for t in ("t0", "t1", "t2")]
+    size = max(Path(t).stat().st_size for t in tars)
+    monkeypatch.setenv("CVL_SHARD_CACHE", str(tmp_path / "shards"))
+    monkeypatch.setenv("CVL_SHARD_CACHE_GB", str(1.5 * size / (1 << 30)))  # one shard fits
+    sets = {t: _task(served, t) for t in ("t0", "t1", "t2")}
+    served.reset()
+    sets["t0"].__getitems__([0, 1])
+    sets["t0"].__getitems__([5, 2])  # a cached shard: read locally, no request
+    assert served.tar_requests() == [(served.tar_requests()[0][0], None)]  # whole, once
+    sets["t1"].__getitems__([0])
+    sets["t2"].__getitems__([3])
+    kept = _cached(tmp_path)
+    assert len(kept) == 1 and kept[0].name.endswith(Path(tars[2]).name)  # the last one used
+    local = PairDataset.from_shards(load_manifest(stream).train_shards("t2"))
+    assert sets["t2"][3]["caption"] == local[3]["caption"]
+    served.reset()
+    sets["t0"][0]  # evicted: fetched whole again
+    assert len(served.tar_requests()) == 1
+
+
+def test_the_coming_batches_shards_are_fetched_ahead(served, stream, tmp_path, monkeypatch):
+    from cvl.data.shardcache import prefetching
+
+    monkeypatch.setenv("CVL_SHARD_CACHE", str(tmp_path / "shards"))
+    ds = _task(served, "t1")
+    plan = [[0, 1], [2, 3], [4, 5]]
+    got = prefetching(ds, iter(plan), ahead=2)
+    assert next(got) == plan[0]  # the batches as they are, their shard queued meanwhile
+    assert list(got) == plan[1:]
+    for _ in range(500):  # the fetch runs in the background
+        if _cached(tmp_path):
+            break
+        time.sleep(0.01)
+    assert len(_cached(tmp_path)) == 1
+    served.reset()
+    ds.__getitems__([6, 7])
+    assert served.tar_requests() == []

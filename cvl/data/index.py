@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import os
+import struct
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -40,6 +41,17 @@ from cvl.errors import CvlError
 _ROW = 1 << 32  # packed sample id: shard id * 2**32 + row
 
 
+class _Unpackers(dict):
+    """Row size -> a struct unpacking a row's six int64 and its key bytes."""
+
+    def __missing__(self, size: int) -> Any:
+        self[size] = struct.Struct(f"<6q{size - 48}s").unpack_from
+        return self[size]
+
+
+_UNPACK = _Unpackers()
+
+
 # -- the process-wide shard table ------------------------------------------------------------
 class _Table:
     """Every shard this process has met: path, usable count, skipped reasons; rows are
@@ -54,6 +66,7 @@ class _Table:
         self.stamps: list[Any] = []  # local: the tar's (size, mtime) when met; remote: summary
         self.skipped: list[tuple] = []
         self.maps: OrderedDict[int, np.ndarray] = OrderedDict()
+        self.raw: dict[int, tuple[memoryview, int]] = {}  # sid -> (the map's bytes, row size)
         self.pid = os.getpid()
         self.max_maps = 0
 
@@ -89,9 +102,20 @@ class _Table:
         if len(todo) > 1:
             cached_rows([self.paths[s] for s in todo], [self.stamps[s] for s in todo])
 
+    def row(self, sid: int, row: int) -> tuple[int, int, int, int, int, int, str]:
+        """One row as Python values (image offset, size, text offset, size, meta offset, size,
+        key), unpacked from the map's bytes: no numpy call (a single item's read)."""
+        raw = self.raw.get(sid) if self.pid == os.getpid() else None
+        if raw is None or sid not in self.maps:
+            m = self.rows(sid)
+            raw = self.raw[sid] = (memoryview(m.view(np.uint8).reshape(-1)), m.dtype.itemsize)
+        buf, size = raw
+        *spans, key = _UNPACK[size](buf, row * size)
+        return (*spans, key.rstrip(b"\0").decode("utf-8"))
+
     def rows(self, sid: int) -> np.ndarray:
         if self.pid != os.getpid():  # a forked loader worker: maps are per process
-            self.maps, self.pid = OrderedDict(), os.getpid()
+            self.maps, self.raw, self.pid = OrderedDict(), {}, os.getpid()
         m = self.maps.get(sid)
         if m is not None:
             self.maps.move_to_end(sid)
@@ -119,7 +143,7 @@ class _Table:
 
             self.max_maps = _open_limit()
         if len(self.maps) > self.max_maps:
-            self.maps.popitem(last=False)
+            self.raw.pop(self.maps.popitem(last=False)[0], None)
         return m
 
 
@@ -164,6 +188,7 @@ class Entries(Sequence):
         self.parts = list(parts)  # empty parts too: their skipped samples count
         lens = [int(p[2][-1]) for p in self.parts]
         self.bounds = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+        self.n = int(self.bounds[-1])
 
     @classmethod
     def of_shards(cls, shards: Iterable[str | os.PathLike]) -> Entries:
@@ -193,7 +218,7 @@ class Entries(Sequence):
         return c
 
     def __len__(self) -> int:
-        return int(self.bounds[-1])
+        return self.n
 
     def ids(self, positions: np.ndarray | Sequence[int]) -> np.ndarray:
         """Packed (shard id, row) of the samples at `positions` (vectorised)."""

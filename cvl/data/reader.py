@@ -151,12 +151,12 @@ class PairDataset(Dataset):
     def __len__(self) -> int:
         return len(self.entries)
 
-    def _samples(self, idx: Sequence[int]) -> tuple[list[Sample], np.ndarray | None]:
+    def _samples(self, idx: Sequence[int]) -> tuple[list[Sample], Any]:
         """The bytes of samples `idx` read together, and their packed ids (None: hand-made)."""
         if isinstance(self.entries, Entries):
             if len(idx) == 1:  # PairDataset[i]: no numpy call on the way
                 sid, row = self.entries.locate(int(idx[0]))
-                return [read_one(sid, row, self.window)], np.array([sid * _ROW + row])
+                return [read_one(sid, row, self.window)], [sid * _ROW + row]
             ids = self.entries.ids(idx)
             return read_ids(ids, self.window), ids
         return read_entries([self.entries[i] for i in idx]), None
@@ -204,7 +204,9 @@ class PairDataset(Dataset):
         ]
 
     def __getitem__(self, item: int | tuple[int, int]) -> dict[str, Any]:
-        return self.__getitems__([item])[0]
+        i, aug = (int(item), None) if not isinstance(item, tuple) else item
+        (s,), ids = self._samples([i])
+        return self._item(i, aug, s, -1 if ids is None else int(ids[0]))
 
     def _item(self, i: int, aug: int | None, s: Sample, sid: int) -> dict[str, Any]:
         n = len(self.entries)

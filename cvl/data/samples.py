@@ -73,31 +73,42 @@ def _spans(img: np.ndarray, txt: np.ndarray, meta: np.ndarray) -> tuple[np.ndarr
     return first - HEADER, last
 
 
-def _merge(starts: np.ndarray, ends: np.ndarray, gap: int) -> list[tuple[int, int, np.ndarray]]:
-    """Requests covering the spans: (start, end, the spans' positions) with spans closer than
-    `gap` bytes merged, up to `MAX_RANGE` a request."""
-    order = np.argsort(starts, kind="stable")
+def _merge(
+    starts: list[int], ends: list[int], at: list[int], gap: int
+) -> list[tuple[int, int, list[int]]]:
+    """Requests covering the spans of samples `at` (positions into `starts` / `ends`):
+    (start, end, the samples) with spans closer than `gap` bytes merged, up to `MAX_RANGE` a
+    request (plain lists: a batch's few dozen spans cost less without numpy calls)."""
     out: list[tuple[int, int, list[int]]] = []
-    for i in order.tolist():
-        a, b = int(starts[i]), int(ends[i])
+    for i in sorted(at, key=starts.__getitem__):
+        a, b = starts[i], ends[i]
         if out and a - out[-1][1] <= gap and max(b, out[-1][1]) - out[-1][0] <= MAX_RANGE:
             s, e, members = out[-1]
             out[-1] = (s, max(e, b), members)
             members.append(i)
         else:
             out.append((a, b, [i]))
-    return [(s, e, np.array(m)) for s, e, m in out]
+    return out
 
 
-def _cut(shard: str, key: str, buf: Any, base: int, off: int, size: int) -> bytes:
-    """A member's data from `buf` (bytes from `base` on), its header checked first."""
-    why = header_mismatch(buf[off - HEADER - base : off - base], key, size)
-    if why is not None:
-        raise ShardError(
-            f"{shard}: changed since it was indexed (where the index puts {key}, the tar holds "
-            f"{why}); rebuild its index with {fix_command(shard)} and start again"
-        )
-    return bytes(buf[off - base : off + size - base])
+def _cut(
+    shard: str, key: str, buf: bytes, base: int, off: int, size: int, name: bytes = b""
+) -> bytes:
+    """A member's data from `buf` (bytes from `base` on), its header checked first: the
+    common case (the name and size fields as tarfile and GNU tar write them: a member of
+    another name or size cannot match) compared in place, any other header by
+    `header_mismatch`. `name`: `key` encoded with its dot (computed once a sample)."""
+    h = off - HEADER - base
+    if not (
+        buf.startswith(b"%011o" % size, h + 124) and buf.startswith(name or key.encode() + b".", h)
+    ):
+        why = header_mismatch(buf[h : h + HEADER], key, size)
+        if why is not None:
+            raise ShardError(
+                f"{shard}: changed since it was indexed (where the index puts {key}, the tar "
+                f"holds {why}); rebuild its index with {fix_command(shard)} and start again"
+            )
+    return buf[off - base : off + size - base]
 
 
 def _local_path(shard: str) -> str:
@@ -120,19 +131,19 @@ def read_located(
     absent). `window_of[i]` = (shard id, window, start, end) reads sample i through a cached
     window of its shard (remote shards under a block order)."""
     n = len(keys)
-    starts, ends = _spans(img, txt, meta)
+    first, last = _spans(img, txt, meta)
+    starts, ends = first.tolist(), last.tolist()
     bufs: list[tuple[Any, int] | None] = [None] * n  # (bytes, offset of its first byte)
     by_shard: dict[str, list[int]] = {}
     for i, s in enumerate(shards):
         by_shard.setdefault(s, []).append(i)
-    remote_jobs: list[tuple[str, int, int, np.ndarray, Any]] = []
+    remote_jobs: list[tuple[str, int, int, list[int], Any]] = []
     for shard, at in by_shard.items():
         path = _local_path(shard)
-        sel = np.array(at)
         if not is_remote(path):
-            for a, b, members in _merge(starts[sel], ends[sel], LOCAL_GAP):
+            for a, b, members in _merge(starts, ends, at, LOCAL_GAP):
                 data = _read_local(shard, path, a, b)
-                for m in sel[members].tolist():
+                for m in members:
                     bufs[m] = (data, a)
             continue
         windowed = [i for i in at if window_of and window_of[i] is not None]
@@ -147,11 +158,11 @@ def read_located(
                 w = window_of[i]  # type: ignore[index]
                 need.setdefault((w[0], w[1]), (w[2], w[3], []))[2].append(i)
         for wkey, (a, b, members) in need.items():
-            remote_jobs.append((path, a, b, np.array(members), wkey))
-        plain = np.array([i for i in at if bufs[i] is None and i not in _flat(need)], dtype=int)
-        if len(plain):
-            for a, b, members in _merge(starts[plain], ends[plain], REMOTE_GAP):
-                remote_jobs.append((path, a, b, plain[members], None))
+            remote_jobs.append((path, a, b, members, wkey))
+        waiting = _flat(need)
+        plain = [i for i in at if bufs[i] is None and i not in waiting]
+        for a, b, members in _merge(starts, ends, plain, REMOTE_GAP):
+            remote_jobs.append((path, a, b, members, None))
     if remote_jobs:
         try:
             blobs = fetch_ranges([(u, a, b) for u, a, b, _, _ in remote_jobs])
@@ -160,15 +171,16 @@ def read_located(
         for (_, a, _, members, wkey), data in zip(remote_jobs, blobs):
             if wkey is not None:
                 _window_put(wkey, a, data)
-            for m in members.tolist():
+            for m in members:
                 bufs[m] = (data, a)
     out = []
     for (buf, base), s, k, (io, isz), (to, tsz), (mo, msz) in zip(  # type: ignore[misc]
         bufs, shards, keys, img.tolist(), txt.tolist(), meta.tolist()
     ):
-        mv = memoryview(buf)
-        m = _cut(s, k, mv, base, mo, msz) if mo >= 0 else None
-        out.append(Sample(s, k, _cut(s, k, mv, base, io, isz), _cut(s, k, mv, base, to, tsz), m))
+        nm = k.encode() + b"."
+        m = _cut(s, k, buf, base, mo, msz, nm) if mo >= 0 else None
+        i, t = _cut(s, k, buf, base, io, isz, nm), _cut(s, k, buf, base, to, tsz, nm)
+        out.append(Sample(s, k, i, t, m))
     return out
 
 
@@ -268,7 +280,7 @@ def read_member(e: Entry, field: str) -> bytes:
             raise ShardError(str(err)) from None
     else:
         data = _read_local(e.shard, path, off - HEADER, off + size)
-    return _cut(e.shard, e.key, memoryview(data), off - HEADER, off, size)
+    return _cut(e.shard, e.key, data, off - HEADER, off, size)
 
 
 def read_one(sid: int, row: int, window: int = 1) -> Sample:
@@ -277,13 +289,12 @@ def read_one(sid: int, row: int, window: int = 1) -> Sample:
     path = TABLE.paths[sid]
     if is_remote(path):
         return read_ids(np.array([sid * _ROW + row], dtype=np.int64), window)[0]
-    rec = TABLE.rows(sid)[row]
-    io, isz = rec["image"].tolist()
-    to, tsz = rec["text"].tolist()
-    mo, msz = rec["meta"].tolist()
-    key = bytes(rec["key"]).decode("utf-8")
+    io, isz, to, tsz, mo, msz, key = TABLE.row(sid, row)
     a = min(io, to, mo if mo >= 0 else io) - HEADER
     b = max(io + isz, to + tsz, mo + msz if mo >= 0 else 0)
-    mv = memoryview(_read_local(path, path, a, b))
-    m = _cut(path, key, mv, a, mo, msz) if mo >= 0 else None
-    return Sample(path, key, _cut(path, key, mv, a, io, isz), _cut(path, key, mv, a, to, tsz), m)
+    data = _read_local(path, path, a, b)
+    nm = key.encode() + b"."
+    m = _cut(path, key, data, a, mo, msz, nm) if mo >= 0 else None
+    return Sample(
+        path, key, _cut(path, key, data, a, io, isz, nm), _cut(path, key, data, a, to, tsz, nm), m
+    )

@@ -35,12 +35,13 @@ import torch
 
 from cvl.data.reader import sample_seed
 from cvl.device import to_device
-from cvl.dist import average_gradients
+from cvl.dist import all_reduce_mean, average_gradients
 from cvl.methods.base import TaskContext, base_loss
 from cvl.methods.ewc import EWC, task_fisher
 from cvl.methods.registry import register
 from cvl.methods.regularizers import task_batches, trainable
 from cvl.train.cost import extra
+from cvl.train.fsdp import clip_grad_norm_, is_sharded, optimizer_state_in, sharded_copy
 
 
 def _opt_state_in(sd: dict) -> dict:
@@ -72,7 +73,10 @@ class AFEC(EWC):
         self.expanded, self.exp_opt, self.exp_sched, self.fisher_e = None, None, None, None
         self.exp_epoch, self._pending = -1, None
         if not ctx.first_task:
-            self.expanded = copy.deepcopy(ctx.model)  # θ at the task's start (= θ*)
+            # θ at the task's start (= θ*); --fsdp: sharded on the model's plan
+            sharded = is_sharded(ctx.model)
+            model = ctx.model
+            self.expanded = sharded_copy(model, trainable=True) if sharded else copy.deepcopy(model)
             self.expanded.train()
 
     def _ensure_optimizer(self, ctx: TaskContext) -> None:
@@ -86,7 +90,10 @@ class AFEC(EWC):
                 params, ctx.config, ctx.steps_in_task, ctx.lr_lambda, ctx.task_name
             )
             if self._pending is not None:
-                self.exp_opt.load_state_dict(_opt_state_in(self._pending["optimizer"]))
+                sd = _opt_state_in(self._pending["optimizer"])
+                if is_sharded(self.expanded):  # whole moments on disk: this rank's slices
+                    sd = optimizer_state_in(self.exp_opt, sd)
+                self.exp_opt.load_state_dict(sd)
                 self.exp_sched.load_state_dict(self._pending["scheduler"])
                 self._pending = None
 
@@ -124,13 +131,18 @@ class AFEC(EWC):
                 micro = 0
                 average_gradients(params)
                 if cfg.grad_clip > 0:
-                    torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+                    clip = clip_grad_norm_ if is_sharded(model) else torch.nn.utils.clip_grad_norm_
+                    clip(params, cfg.grad_clip)
                 self.exp_opt.step()
                 self.exp_sched.step()
                 self.exp_opt.zero_grad(set_to_none=True)
                 done += 1
             self.fisher_e = task_fisher(gen_ctx, model, int(self.args["fisher_batches"]))
-        self.exp_loss = float(torch.stack(losses).float().mean()) if losses else 0.0
+        # the mean over ranks (each rank's loss is its rows'): every rank holds the value the
+        # main process saves, so a multi-process resume logs the metric as before
+        self.exp_loss = (
+            float(all_reduce_mean(torch.stack(losses).float().mean())) if losses else 0.0
+        )
         self.exp_epoch = ctx.epoch
 
     def before_step(self, ctx: TaskContext) -> None:

@@ -163,7 +163,10 @@ def frozen_copy(model: nn.Module) -> nn.Module:
     add positional embeddings, LayerNorms and the logit scale in half precision too.
     """
     from cvl.models.tune import plain_copy
+    from cvl.train.fsdp import is_sharded, sharded_copy
 
+    if is_sharded(model):  # --fsdp: sharded on the same plan, from the local shards
+        return sharded_copy(model)
     m = plain_copy(model)
     m.eval()
     for p in m.parameters():

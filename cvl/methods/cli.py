@@ -15,6 +15,7 @@ def methods(verbose: bool) -> None:
     """
     from cvl.methods.registry import all_methods
     from cvl.train.accum import UNVERIFIED, VERIFIED
+    from cvl.train.fsdp import method_support
 
     reg = all_methods()
     w = max(len(n) for n in reg)
@@ -25,8 +26,13 @@ def methods(verbose: bool) -> None:
             click.echo(pad + "defaults: " + ", ".join(f"{k}={v}" for k, v in cls.defaults.items()))
         if cls.tunes:
             click.echo(pad + f"needs: --tune {' or '.join(cls.tunes)}")
-        why = cls.cached_refusal or (None if name in VERIFIED else UNVERIFIED)
-        click.echo(pad + "--accum-mode cached: " + (f"refused: {why}" if why else "yes"))
+        cached_why = cls.cached_refusal or (None if name in VERIFIED else UNVERIFIED)
+        click.echo(
+            pad + "--accum-mode cached: " + (f"refused: {cached_why}" if cached_why else "yes")
+        )
+        why = method_support(cls)
+        if why is not True:
+            click.echo(pad + f"--fsdp: not supported ({why})")
         if verbose and cls.__doc__:
             for line in cls.__doc__.strip().splitlines()[1:]:
                 click.echo(pad + line.strip())

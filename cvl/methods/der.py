@@ -41,6 +41,7 @@ from cvl.errors import CvlError
 from cvl.losses import global_masked_mean, masked_clip_loss
 from cvl.methods.base import Method, TaskContext, mlm_term
 from cvl.methods.registry import register
+from cvl.train.fsdp import gathered
 
 IMAGE, TEXT = "der_image", "der_text"
 
@@ -58,9 +59,10 @@ def embed_pairs(model: Any, entries: Entries, accelerator: Any, batch_size: int 
     world = accelerator.num_processes if accelerator is not None else 1
     device = accelerator.device if accelerator is not None else torch.device("cpu")
     vs, ws = [], []
-    for b in eval_loader(ds, batch_size, rank=rank, world=world):
-        vs.append(model.encode_image(b["image"].to(device)).float().cpu())
-        ws.append(model.encode_text(b["text"].to(device)).float().cpu())
+    with gathered(model):  # --fsdp: ranks may embed different numbers of batches
+        for b in eval_loader(ds, batch_size, rank=rank, world=world):
+            vs.append(model.encode_image(b["image"].to(device)).float().cpu())
+            ws.append(model.encode_text(b["text"].to(device)).float().cpu())
     model.train(was)
     d = model.embed_dim
     v = torch.cat(vs) if vs else torch.zeros(0, d)

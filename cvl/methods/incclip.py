@@ -127,6 +127,7 @@ from cvl.models.text_embeds import (  # noqa: F401 (re-exported: tests)
     token_embedding,
 )
 from cvl.train.accum import loss_batch
+from cvl.train.fsdp import gathered, local, plain, tensor_norms
 
 
 def margin_loss(s: torch.Tensor, s_min: float, s_max: float) -> torch.Tensor:
@@ -288,13 +289,14 @@ def clip_weight_norms_(
     """
     if not params:
         return torch.zeros(0, dtype=torch.bool)
-    norms = torch.stack(torch._foreach_norm(params)).float()
+    norms = tensor_norms(params)  # --fsdp: of the whole tensors (one all-reduce)
     limit = gamma * to_device(init_norms, norms.device).float()
     over = norms > limit
     # every tensor is multiplied, the others by exactly 1 (bitwise unchanged): choosing the
     # rescaled ones on the host would wait for the GPU every step
     factors = torch.where(over, limit / norms.clamp_min(1e-12), torch.ones_like(norms))
-    torch._foreach_mul_(params, [f.to(p.dtype) for f, p in zip(factors.unbind(), params)])
+    shards = [local(p) for p in params]
+    torch._foreach_mul_(shards, [f.to(p.dtype) for f, p in zip(factors.unbind(), shards)])
     return over
 
 
@@ -361,8 +363,8 @@ class IncCLIP(PreviousModelMethod):
         _text_tower(getattr(ctx.model, "clip", ctx.model))  # clear error for unsupported models
         if self.init_norms is None:  # the model holds the run's initial weights here
             named = self._clipped(ctx.model)
-            with torch.no_grad():
-                norms = [float(p.detach().float().norm()) for _, p in named]
+            with torch.no_grad():  # (--fsdp: `plain` reduces a norm over the shards)
+                norms = [float(plain(p.detach().float().norm())) for _, p in named]
             keep = [k for k, n in enumerate(norms) if n > 0]  # zero-init weights: never clipped
             self.norm_names = [named[k][0] for k in keep]
             self.init_norms = torch.tensor([norms[k] for k in keep], dtype=torch.float64)
@@ -391,9 +393,10 @@ class IncCLIP(PreviousModelMethod):
         old, acc = self.old, ctx.accelerator
         ds = PairDataset(entries, image_transform(old.image_size, train=False), old.tokenizer)
         feats, toks = [], []
-        for b in eval_loader(ds, 256, rank=acc.process_index, world=acc.num_processes):
-            feats.append(old.encode_image(b["image"].to(acc.device)).float())
-            toks.append(b["text"].to(acc.device))
+        with gathered(old):  # --fsdp: ranks may embed different numbers of batches
+            for b in eval_loader(ds, 256, rank=acc.process_index, world=acc.num_processes):
+                feats.append(old.encode_image(b["image"].to(acc.device)).float())
+                toks.append(b["text"].to(acc.device))
         dev, cl = acc.device, old.context_length
         f = torch.cat(feats) if feats else torch.zeros(0, old.embed_dim, device=dev)
         t = torch.cat(toks) if toks else torch.zeros(0, cl, dtype=torch.long, device=dev)
@@ -425,7 +428,9 @@ class IncCLIP(PreviousModelMethod):
         # the positions to run, from the CPU copies of the mixtures' token ids (no host sync)
         length = pooled_length(self.old, torch.where(beta[:, None] >= 0.5, tokens[i], tokens[j]))
         dev = ctx.device
-        with step_autocast(ctx):  # the old model runs in the training precision
+        # the old model runs in the training precision; --fsdp: whole while it generates (the
+        # text pass reads its embeddings directly and back-propagates to the pseudo texts)
+        with step_autocast(ctx), gathered(self.old):
             out = generate_pseudo(
                 self.old,
                 to_device(tokens, dev),

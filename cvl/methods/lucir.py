@@ -124,6 +124,11 @@ class LUCIR(LwF):
     defaults = {"feature_weight": 1.0, "mlm_distill_weight": 1.0, "distill_temp": 1.0}
     needs_buffer = True
     buffer_hint = "mof"
+    #: cvl.train.fsdp: what the method lacks under --fsdp
+    fsdp = (
+        "its cosine-normalised projections are a parametrization added to the model after it "
+        "is sharded (FSDP2 would gather the projections' old parameters)"
+    )
     prefix = "lucir"
 
     def __init__(self, args: dict[str, Any] | None = None) -> None:

@@ -13,6 +13,9 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from cvl.methods.merge_dist import whole
+from cvl.train.fsdp import is_dtensor, plain, reshard_like
+
 Weights = dict[str, torch.Tensor]
 
 
@@ -44,8 +47,8 @@ def dare(tau: Weights, p: float, generator: torch.Generator) -> Weights:
     p = 1 drops everything (no rescale: nothing is left)."""
     masks = {k: torch.rand(tau[k].shape, generator=generator) > p for k in sorted(tau)}
     out = {}
-    for k, v in tau.items():
-        out[k] = v * masks[k].to(v.device) / (1.0 - p) if p < 1.0 else torch.zeros_like(v)
+    for k, v in tau.items():  # (a sharded τ: the slice of the whole mask, `reshard_like`)
+        out[k] = v * reshard_like(masks[k], v) / (1.0 - p) if p < 1.0 else torch.zeros_like(v)
     return out
 
 
@@ -61,6 +64,9 @@ def breadcrumbs(tau: Weights, keep: float, remove: float) -> Weights:
     for k, v in tau.items():
         if v.dim() == 0:
             out[k] = v
+            continue
+        if v.dim() == 1 and is_dtensor(v):  # the sharded dim is the one ranked: whole tensor
+            out[k] = whole(lambda x: breadcrumbs({"t": x}, keep, remove)["t"], v)
             continue
         n = v.shape[-1]
         x = v
@@ -88,10 +94,10 @@ def slerp(new: torch.Tensor, old: torch.Tensor, alpha: float, eps: float = 1e-8)
     (pseudope/fomo_in_flux, `continual_lib/merge.py`, `SLERP.slerp` with v0 = `new`, v1 = `old`
     and its coefficient w = 1 − α: it gives sin(ω(1 − w)) to v0)."""
     a, b = new.double(), old.double()
-    na, nb = a.norm(), b.norm()
+    na, nb = plain(a.norm()), plain(b.norm())  # (sharded: reduced over the shards)
     ua = a / na if na > eps else a
     ub = b / nb if nb > eps else b
-    dot = float((ua * ub).sum())
+    dot = float(plain((ua * ub).sum()))
     if abs(dot) > DOT_THRESHOLD:
         return (1.0 - alpha) * old + alpha * new.to(old.dtype)
     omega = math.acos(dot)
@@ -161,5 +167,6 @@ def opcm_project(previous: torch.Tensor, task: torch.Tensor, alpha: float) -> to
 
 
 def vector_norm(tau: Weights) -> torch.Tensor:
-    """‖τ‖ over all entries of all tensors (fusion_bench `get_task_vector_norm`)."""
-    return torch.linalg.vector_norm(torch.stack([v.double().norm() for v in tau.values()]))
+    """‖τ‖ over all entries of all tensors (fusion_bench `get_task_vector_norm`); a sharded
+    tensor's norm is reduced over its shards (`plain`)."""
+    return torch.linalg.vector_norm(torch.stack([plain(v.double().norm()) for v in tau.values()]))

@@ -65,6 +65,7 @@ from cvl.errors import CvlError
 from cvl.methods import merge_ops
 from cvl.methods.base import TaskContext, Wrapper
 from cvl.models.tune import assign_, effective_state, merge_adapters, trained_names
+from cvl.train.fsdp import is_dtensor
 
 Weights = dict[str, torch.Tensor]
 INITS = ("merged", "finetuned", "base")
@@ -91,8 +92,12 @@ def statistics_names(model: nn.Module) -> frozenset[str]:
 
 
 def clone_weights(w: Weights, device: torch.device | str | None = None) -> Weights:
-    """Independent copies (optionally moved), for state that must not follow the model."""
-    return {k: v.detach().to(device or v.device, copy=True) for k, v in w.items()}
+    """Independent copies (optionally moved), for state that must not follow the model; a
+    sharded tensor (`--fsdp`) stays where its shard is (1/N of it per process)."""
+    return {
+        k: v.detach().clone() if is_dtensor(v) else v.detach().to(device or v.device, copy=True)
+        for k, v in w.items()
+    }
 
 
 @torch.no_grad()

@@ -25,6 +25,7 @@ import torch
 from cvl.methods.base import TaskContext
 from cvl.methods.merging import MergeMethod, Weights, clone_weights
 from cvl.methods.registry import register
+from cvl.train.fsdp import plain
 
 
 def stock_ratio(cos: torch.Tensor, k: int) -> torch.Tensor:
@@ -38,7 +39,7 @@ def mean_pairwise_cos(unit_sum: torch.Tensor, unit_sq: torch.Tensor, k: int) -> 
     """Mean over the k(k−1) ordered pairs of u_i·u_j, from Σ u_i and Σ ‖u_i‖²."""
     if k < 2:
         return torch.ones((), dtype=unit_sum.dtype, device=unit_sum.device)
-    return (unit_sum.pow(2).sum() - unit_sq) / (k * (k - 1))
+    return (plain(unit_sum.pow(2).sum()) - unit_sq) / (k * (k - 1))
 
 
 @register("model_stock")
@@ -60,9 +61,9 @@ class ModelStock(MergeMethod):
         """One more fine-tuned model's task vector into the running sums."""
         for n, v in tau.items():
             v = v.float()
-            norm = v.norm()
+            norm = plain(v.norm())  # --fsdp: of the whole tensor (`plain` reduces the shards')
             u = v / norm if norm > 0 else torch.zeros_like(v)
-            sq = (u * u).sum()
+            sq = plain((u * u).sum())
             if self.k == 0:
                 self.tau_sum[n], self.unit_sum[n], self.unit_sq[n] = v, u, sq
             else:

@@ -100,6 +100,7 @@ from cvl.methods import moe_layers as ml
 from cvl.methods.base import Method, TaskContext, base_loss
 from cvl.methods.registry import register
 from cvl.train.accum import frozen_rows
+from cvl.train.fsdp import gathered
 
 
 def freeze_most_chosen(counts: torch.Tensor, frozen: torch.Tensor, n: int) -> torch.Tensor:
@@ -262,12 +263,13 @@ class MoEAdapters(Method):
         model.eval()
         errs = []
         rank, world = ctx.accelerator.process_index, ctx.accelerator.num_processes
-        for b in eval_loader(ds, 256, rank=rank, world=world):
-            x = (b["image"] if tower == "image" else b["text"]).to(ctx.device)
-            u = torch.nn.functional.normalize(
-                ml.zero_shot_features(model, tower, x).float(), dim=-1
-            )
-            errs.append(model.moe_state.ddas[tower].error(u, t).float())
+        with gathered(model):  # --fsdp: ranks may embed different numbers of batches
+            for b in eval_loader(ds, 256, rank=rank, world=world):
+                x = (b["image"] if tower == "image" else b["text"]).to(ctx.device)
+                u = torch.nn.functional.normalize(
+                    ml.zero_shot_features(model, tower, x).float(), dim=-1
+                )
+                errs.append(model.moe_state.ddas[tower].error(u, t).float())
         model.train(was)
         local = torch.cat(errs) if errs else torch.zeros(0)
         if world > 1:

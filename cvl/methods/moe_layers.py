@@ -302,8 +302,14 @@ def routed(model: nn.Module, tower: str, routes: torch.Tensor):
             m.routes = None
 
 
+def _base(self: nn.Module) -> Any:
+    """The model's methods below its MoE class (`--fsdp` subclasses the class once more)."""
+    moe = next(c for c in type(self).__mro__ if c in _CLASSES.values())
+    return super(moe, self)
+
+
 def _encode(self: nn.Module, tower: str, x: torch.Tensor, routes: torch.Tensor) -> torch.Tensor:
-    base = super(type(self), self)
+    base = _base(self)
     with routed(self, tower, routes):
         return (base.encode_image if tower == "image" else base.encode_text)(x, normalize=False)
 
@@ -329,7 +335,7 @@ def ddas_routes(model: nn.Module, tower: str, x: torch.Tensor) -> tuple[torch.Te
 def _encode_tower(self: nn.Module, tower: str, x: torch.Tensor, normalize: bool) -> torch.Tensor:
     st = self.moe_state
     if tower not in st.ddas:  # a tower without adapters: the plain encoder
-        base = super(type(self), self)
+        base = _base(self)
         f = (base.encode_image if tower == "image" else base.encode_text)(x, normalize=False)
     elif self.training:  # the task being trained: its own router for every row
         routes = torch.full((x.shape[0],), st.task, dtype=torch.long, device=x.device)

@@ -41,6 +41,7 @@ from torch import nn
 
 from cvl.errors import CvlError
 from cvl.methods.base import TaskContext
+from cvl.methods.merge_dist import whole
 from cvl.methods.merge_ops import opcm_project, vector_norm
 from cvl.methods.merging import MergeMethod, Weights, clone_weights
 from cvl.methods.registry import register
@@ -68,8 +69,12 @@ def opcm_step(
         prev = previous[k].to(t.device, t.dtype)
         chunks = linear.get(k, 0) if t.dim() == 2 else 0
         if chunks:
-            parts = zip(prev.chunk(chunks, 0), t.chunk(chunks, 0))
-            cleaned = torch.cat([opcm_project(p, x, alpha) for p, x in parts], 0)
+
+            def project(prev: torch.Tensor, t: torch.Tensor, n: int = chunks) -> torch.Tensor:
+                parts = zip(prev.chunk(n, 0), t.chunk(n, 0))
+                return torch.cat([opcm_project(p, x, alpha) for p, x in parts], 0)
+
+            cleaned = whole(project, prev, t)  # --fsdp: the SVD of the whole matrix
         else:
             cleaned = t
         out[k] = prev_lambda * prev + cleaned

@@ -45,6 +45,7 @@ from cvl.dist import average_gradients
 from cvl.errors import CvlError
 from cvl.methods.base import Method, TaskContext, base_loss, state_mismatch
 from cvl.methods.scaling import loop_scaler, scaled_grads
+from cvl.train.fsdp import locals_
 
 Tensors = list[torch.Tensor]
 
@@ -249,7 +250,7 @@ class ParamRegularizer(Method):
         self._value, self._pen_grad = None, None
         params = self.params(ctx)
         if self.track_path:
-            torch._foreach_copy_(self._prev, [p.detach() for p in params])
+            torch._foreach_copy_(locals_(self._prev), locals_([p.detach() for p in params]))
         total, grad = None, None
         for ref, omega, coef, signed in self.anchors():
             v, od = quadratic_penalty(params, ref, omega, signed)
@@ -276,7 +277,8 @@ class ParamRegularizer(Method):
                 p.grad = torch.zeros_like(p)
         grads = [p.grad for p in params]
         if self.track_path:
-            torch._foreach_copy_(self._g, grads)  # the unregularised, rank-averaged gradient
+            # the unregularised, rank-averaged gradient (--fsdp: shard by shard)
+            torch._foreach_copy_(locals_(self._g), locals_(grads))
         if self._pen_grad is not None:
             torch._foreach_add_(grads, self._pen_grad)
 

@@ -26,8 +26,10 @@ import torch
 
 from cvl.errors import CvlError
 from cvl.methods.base import TaskContext
+from cvl.methods.merge_dist import global_kthvalue
 from cvl.methods.merging import LINES, TaskVectorMerge, Weights, clone_weights
 from cvl.methods.registry import register
+from cvl.train.fsdp import is_dtensor, plain
 
 
 @torch.no_grad()
@@ -35,11 +37,15 @@ def trim_top_k(tau: Weights, k: float) -> Weights:
     """τ with all but its top-k fraction of entries (by |value|, over all tensors) set to 0."""
     if k >= 1.0:
         return dict(tau)
-    # in the vectors' own dtype (torch.cat promotes mixed ones), as the code's kthvalue: a
-    # cast would merge distinct magnitudes (float64 → float32) and move the threshold
-    flat = torch.cat([v.detach().abs().flatten().cpu() for v in tau.values()])
-    d = flat.numel()
-    kth = flat.kthvalue(max(1, d - int(d * k))).values  # the code's k = d − int(d·K)
+    d = sum(v.numel() for v in tau.values())
+    kk = max(1, d - int(d * k))  # the code's k = d − int(d·K)
+    if any(is_dtensor(v) for v in tau.values()):  # --fsdp: the same threshold, from shards
+        kth = global_kthvalue([v.detach().abs() for v in tau.values()], kk)
+    else:
+        # in the vectors' own dtype (torch.cat promotes mixed ones), as the code's kthvalue:
+        # a cast would merge distinct magnitudes (float64 → float32) and move the threshold
+        flat = torch.cat([v.detach().abs().flatten().cpu() for v in tau.values()])
+        kth = flat.kthvalue(kk).values
     return {n: v * (v.abs() >= kth.to(v.device)) for n, v in tau.items()}
 
 
@@ -50,7 +56,7 @@ def ties_merge(trimmed: list[Weights], agg: str = "mean") -> Weights:
     names = list(trimmed[0])
     total = {n: sum(t[n] for t in trimmed) for n in names}
     elected = {n: torch.sign(total[n]) for n in names}
-    majority = torch.sign(sum(e.sum() for e in elected.values()))
+    majority = torch.sign(sum(plain(e.sum()) for e in elected.values()))  # (sharded: summed)
     out = {}
     for n in names:
         sign = torch.where(elected[n] == 0, majority, elected[n])

@@ -16,11 +16,18 @@ from cvl.errors import CvlError
 from cvl.writes import honour_umask
 
 if TYPE_CHECKING:  # torch is imported lazily so that `cvl --help` stays fast
+    import torch
+
     from cvl.models.base import VLModel
 
 
-def save_weights(model: VLModel, path: str | os.PathLike) -> None:
-    """Write the model's weights (safetensors, shared/tied tensors once), atomically."""
+def save_weights(
+    model: VLModel, path: str | os.PathLike, state: dict[str, torch.Tensor] | None = None
+) -> None:
+    """Write the model's weights (safetensors, shared/tied tensors once), atomically.
+
+    `state`: the whole weights of a sharded model (`cvl.train.fsdp.full_state`, tied tensors
+    already dropped), written under the same names and metadata as the model's own."""
     import tempfile
 
     from safetensors.torch import save_file, save_model
@@ -33,7 +40,12 @@ def save_weights(model: VLModel, path: str | os.PathLike) -> None:
     os.close(fd)
     meta = {"format": "pt", "cvl_kind": str(getattr(model, "kind", ""))}
     try:
-        if has_adapters(model):  # --tune lora/dora: the merged weights under their plain names
+        if state is not None:  # a sharded model's, gathered
+            from cvl.models.sharded import tied_names
+
+            dropped = {k: v for k, v in tied_names(model).items() if k not in state}
+            save_file(state, tmp, metadata={**dropped, **meta})
+        elif has_adapters(model):  # --tune lora/dora: the merged weights under their plain names
             sd, dropped = dedupe_shared(effective_state(model))
             save_file({k: v.cpu() for k, v in sd.items()}, tmp, metadata={**dropped, **meta})
         else:
@@ -79,7 +91,13 @@ def load_weights(model: VLModel, path: str | os.PathLike) -> None:
     from cvl.models.tune import assign_, has_adapters
 
     try:
-        if has_adapters(model):  # --tune lora/dora: the weights become the adapted ones' base
+        from cvl.models.sharded import is_sharded, load_state_
+
+        if is_sharded(model):  # --fsdp: each process takes its slice of every tensor
+            from safetensors.torch import load_file
+
+            missing, unexpected = load_state_(model, load_file(str(path)))
+        elif has_adapters(model):  # --tune lora/dora: the weights become the adapted ones' base
             from safetensors.torch import load_file
 
             missing, unexpected = assign_(model, load_file(str(path)))

@@ -209,9 +209,7 @@ def probe_step(
                             mem.micro_done()
                     if measure:
                         mem.backward_done()
-                    trainer._update(
-                        ctx, opt, params, torch.nn.utils.clip_grad_norm_, average_gradients
-                    )
+                    trainer._update(ctx, opt, params, trainer._clip, average_gradients)
                     opt.zero_grad(set_to_none=True)
                 ctx.step += 1
                 method.after_step(ctx)

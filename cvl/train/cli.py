@@ -66,6 +66,7 @@ _OPTS = [
     "skip_nonfinite",
     "grad_checkpointing",
     "compile",
+    "fsdp",
     "device",
     "deterministic",
     "sync_bn",
@@ -408,6 +409,16 @@ _OPTS = [
     "--compile",
     is_flag=True,
     help="torch.compile the model's forward (slow first steps; pays off on long GPU runs).",
+)
+@click.option(
+    "--fsdp",
+    is_flag=True,
+    help="Shard the model over the processes (FSDP2, per transformer block): weights, "
+    "gradients and AdamW state take 1/N of the memory per process, and so do the frozen "
+    "models a method holds (previous-task, teacher, momentum) and its per-parameter state. "
+    "Trains what the run without it trains; checkpoints are the same whole-model files. "
+    "Not with fp16, --compile or adapters (--tune lora/dora/vera). docs/scaling.md: Models "
+    "beyond one GPU.",
 )
 @click.option(
     "--budget",

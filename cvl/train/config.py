@@ -88,6 +88,7 @@ class TrainConfig:
     skip_nonfinite: int = 0  # optimizer steps with a NaN/Inf loss to skip before stopping
     grad_checkpointing: bool = False  # recompute activations in backward (memory for compute)
     compile: bool = False  # torch.compile the model's forward (training step only)
+    fsdp: bool = False  # FSDP2: shard weights, gradients, optimizer state (cvl.train.fsdp)
     device: str = "auto"  # auto | cpu | cuda | cuda:N (cvl.device); multi-process: auto|cuda|cpu
     deterministic: bool | None = None  # bit-reproducible kernels; None = per device (cvl.device)
     sync_bn: str = "auto"  # BatchNorm statistics of N processes: auto | on | off (batchnorm)
@@ -107,7 +108,7 @@ class TrainConfig:
                 f"--min-lr {self.min_lr:g} is above --lr {self.lr:g}: the cosine schedule would "
                 "raise the rate instead of lowering it"
             )
-        for k in ("grad_checkpointing", "compile"):
+        for k in ("grad_checkpointing", "compile", "fsdp"):
             setattr(self, k, to_bool(getattr(self, k), option_name(k)))
         if self.steps_per_task and self.budget:
             raise CvlError(
@@ -277,7 +278,7 @@ LIMITS: dict[str, Num] = {
 
 # Keys that do not change what is computed (a resumed run may change them freely).
 # skip_nonfinite: a run stopped by a NaN must be resumable with a skip allowance added.
-# grad_checkpointing and compile compute the same function (up to floating-point rounding).
+# grad_checkpointing, compile and fsdp compute the same function (up to floating-point rounding).
 # device and deterministic change where and how reproducibly the same maths runs, not what it
 # is: a run may move machines or switch modes (run.json's "runtime" records each change);
 # fused_adamw too (the same update in one kernel, up to floating-point rounding).
@@ -294,6 +295,7 @@ NON_RESULT_KEYS = {
     "skip_nonfinite",
     "grad_checkpointing",
     "compile",
+    "fsdp",
     "device",
     "deterministic",
     "fused_adamw",

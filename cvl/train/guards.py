@@ -10,11 +10,13 @@ import json
 import math
 
 import torch
+import torch.distributed as dist
 
 from cvl.dist import world_size
 from cvl.errors import CvlError
 from cvl.io import read_json
 from cvl.methods.base import TaskContext
+from cvl.train.fsdp import is_dtensor, local
 from cvl.train.logwindow import StepRecord
 from cvl.train.rundir import LAST
 
@@ -113,7 +115,11 @@ class NonFiniteGuards:
         params = list(self.model.named_parameters())
         if not params:
             return
-        ok = torch.stack([torch.isfinite(p.detach()).all() for _, p in params])
+        # (--fsdp: each process checks its shards, the flags are and-ed over processes)
+        ok = torch.stack([torch.isfinite(local(p.detach())).all() for _, p in params])
+        if any(is_dtensor(p) for _, p in params) and dist.get_world_size() > 1:
+            ok = ok.to(torch.uint8)
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         if bool(ok.all()):
             return
         bad = [n for (n, _), good in zip(params, ok.tolist()) if not good]

@@ -48,6 +48,7 @@ from cvl.methods.base import Method, TaskContext, check_base_loss
 from cvl.methods.registry import get_method
 from cvl.progress import progress_bar
 from cvl.streams.manifest import Manifest, load_manifest
+from cvl.train import fsdp
 from cvl.train.accum import FeatureCache, accumulate, is_cached, rank_major
 from cvl.train.accum import check as check_accumulation
 from cvl.train.budget import budget_options, measure_step, parse_budget, plan_task
@@ -106,12 +107,12 @@ class Trainer(RunFolder, NonFiniteGuards, TrainerServices):
         kind = str(getattr(self.acc.distributed_type, "value", self.acc.distributed_type))
         if kind in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
             raise CvlError(
-                f"accelerate config selects {kind}: not supported (cvl keeps a full replica per "
-                "process and averages gradients itself, so methods can run frozen copies and "
-                "sub-encoders); use a plain multi-GPU config with --precision bf16, "
-                "--grad-checkpointing and --grad-accum (docs/scaling.md)"
+                f"accelerate config selects {kind}: not supported (cvl shards models itself, "
+                "the frozen ones a method holds too); use a plain multi-GPU config and "
+                "`cvl train --fsdp` (docs/scaling.md)"
             )
         configure_io(cfg.io_concurrency, cfg.shard_cache, cfg.shard_cache_gb)  # before any read
+        fsdp.check_config(cfg)
         self.manifest: Manifest = load_manifest(cfg.stream)
         # set before anything reads them: run.json's stream plan indexes the tasks' entries
         self._entries: dict[str, Entries] = {}
@@ -140,6 +141,8 @@ class Trainer(RunFolder, NonFiniteGuards, TrainerServices):
             raise CvlError(
                 f"method '{cfg.method}' needs a replay buffer: add --buffer {hint} --buffer-size N"
             )
+        if cfg.fsdp:
+            fsdp.check_method(self.method)
         tunes = getattr(self.method, "tunes", None)
         if tunes and cfg.tune not in tunes:
             raise CvlError(f"method '{cfg.method}' needs --tune {' or '.join(tunes)}")
@@ -168,6 +171,11 @@ class Trainer(RunFolder, NonFiniteGuards, TrainerServices):
         self._reducer = GradReducer()  # gradients averaged over ranks during the backward
         # --accum-mode cached: one loss over the step's micro-batches (cvl.train.accum)
         self._cache = FeatureCache(self.model, cfg.grad_accum, self.acc.device) if cached else None
+        self._clip = torch.nn.utils.clip_grad_norm_
+        if cfg.fsdp:  # weights, gradients, optimizer state sharded (cvl.train.fsdp)
+            fsdp.shard_(self.model, self.acc.device, cfg.precision)
+            self._reducer = fsdp.ShardedReducer(self.model, self._reducer)
+            self._clip = fsdp.clip_grad_norm_
 
     # -- setup -------------------------------------------------------------------------------
 
@@ -212,6 +220,7 @@ class Trainer(RunFolder, NonFiniteGuards, TrainerServices):
         finally:
             self.cost.abort()  # an exception inside the counted step: leave its dispatch mode
             self._release_lock()
+            fsdp.release()  # a one-process --fsdp run's group
 
     def _run(self) -> None:
         cfg, acc = self.cfg, self.acc
@@ -288,6 +297,8 @@ class Trainer(RunFolder, NonFiniteGuards, TrainerServices):
         """The method's loss terms (under the step's autocast) and their sum."""
         with self.acc.autocast():
             terms = self.method.loss(batch, out, ctx)
+        if self.cfg.fsdp:  # a term reduced over sharded tensors (a penalty): its whole value
+            terms = {k: fsdp.plain(v) for k, v in terms.items()}
         if not terms:
             raise CvlError(f"method '{self.cfg.method}' returned no loss terms")
         first, *rest = terms.values()
@@ -340,6 +351,7 @@ class Trainer(RunFolder, NonFiniteGuards, TrainerServices):
     def _optimizer(self, steps: int, lr_lambda: Any = None, task: str | None = None):
         # the previous task's optimizer (and its moments) is freed before this task's is made
         self._opt = None
+        fsdp.reshard(self.model)
         drop_optimizers(self.acc)
         self._task_params = self._params()
         opt, sched = optimizer_with_schedule(self._task_params, self.cfg, steps, lr_lambda, task)
@@ -365,6 +377,7 @@ class Trainer(RunFolder, NonFiniteGuards, TrainerServices):
             self._finish_task(ti, ctx, [])
             return
         self.tuning.begin_task(self.model, self._tune_seed(ti))
+        fsdp.reshard(self.model)  # --fsdp: hooks and the optimizer see the sharded parameters
         with self.cost.extra("before_task", skip=ctx.resuming):  # counted before a resume
             self.method.before_task(ctx)
         sel = selection_set(self.manifest, name, cfg.select, self.method)
@@ -501,8 +514,9 @@ class Trainer(RunFolder, NonFiniteGuards, TrainerServices):
                     self._nonfinite(bad, rec, ctx)
                     window.skip_step(bad)
                 else:
-                    clip = torch.nn.utils.clip_grad_norm_
-                    gnorm = self._update(ctx, opt, params, clip, self._reducer.finish, acc.scaler)
+                    gnorm = self._update(
+                        ctx, opt, params, self._clip, self._reducer.finish, acc.scaler
+                    )
                     overflow = acc.scaler is not None and bool(opt.step_was_skipped)  # fp16
                 losses = []
                 sched.step()
@@ -530,9 +544,10 @@ class Trainer(RunFolder, NonFiniteGuards, TrainerServices):
         del batches  # stops the loader's workers
         bar.close()
         if self._keeper is not None and self._keeper.weights is not None:
-            self.model.load_state_dict(self._keeper.weights)  # the task ends with the best
+            fsdp.load_copy_(self.model, self._keeper.weights)  # the task ends with the best
             k = self._keeper
             self.acc.print(f"task {name}: keeping epoch {k.epoch + 1} (val Rm {k.score:.2f})")
+        fsdp.reshard(self.model)
         with self.cost.extra("after_task"):
             self.method.after_task(ctx)
         self.tuning.end_task(self.model)  # LoRA/DoRA: merged, the checkpoint is plain weights

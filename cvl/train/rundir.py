@@ -22,6 +22,7 @@ from cvl.io import atomic_dir, read_json, recover_dir, write_json
 from cvl.methods.base import TaskContext
 from cvl.runs import MODEL_FILE, RUN_JSON, RUN_SCHEMA, task_dir
 from cvl.streams.manifest import Manifest
+from cvl.train import fsdp
 from cvl.train.batchnorm import batchnorm_statistics
 from cvl.train.checkpoint import load_state, load_torch, save_state, save_torch
 from cvl.train.config import config_diff
@@ -326,6 +327,7 @@ class RunFolder:
             recover_dir(self.out / LAST)  # a kill inside the last/ swap: the previous one
         self.acc.wait_for_everyone()
         start, pos = self._resume_at()  # a stale last/ (of a task since finished) is ignored
+        self._check_processes(pos, bool(done))
         if start >= len(self.order) and self.acc.is_main_process:
             self.acc.print(
                 f"{self.out}: all {len(self.order)} tasks already trained; nothing to do"
@@ -335,6 +337,30 @@ class RunFolder:
             self.acc.print(f"resuming {self.out} at {where}")
         return start, pos
 
+    def _check_processes(self, pos: dict | None, trained: bool) -> None:
+        """A resume under another process count: every file holds whole tensors (also under
+        --fsdp), so the state allows it, but the global batch is --batch-size × processes,
+        and last/'s position counts that task's global batches: a mid-task checkpoint resumes
+        only with its own count (one line); between tasks the next ones train with the new
+        global batch (said)."""
+        n = self.acc.num_processes
+        before = pos.get("processes", n) if pos is not None else n
+        if pos is not None and before != n:
+            raise CvlError(
+                f"{self.out / LAST}: the mid-task checkpoint of task {pos.get('task')} was "
+                f"written by {before} processes (a global batch of --batch-size × {before}); "
+                f"resume it with {before} processes, or delete {self.out / LAST}/ to restart "
+                f"that task with {n}"
+            )
+        rj = self.out / RUN_JSON
+        old = read_json(rj).get("processes") if trained and rj.is_file() else None
+        if old is not None and old != n and self.acc.is_main_process:
+            self.acc.print(
+                f"note: {self.out} trained with {old} processes so far, now {n}: the weights, "
+                f"optimizer and method state are whole-model files, so it continues; the global "
+                f"batch is now --batch-size × {n}"
+            )
+
     def _restore_method_state(
         self, st: dict[str, Any], ctx: TaskContext, where: Path | None = None
     ) -> None:
@@ -343,6 +369,7 @@ class RunFolder:
         rewritten at that point: the folder stays as it was)."""
         if not st:
             return
+        st = fsdp.reshard_state(st, self.model)  # whole tensors -> this process's shards
         try:
             self.method.load_state_dict(st.get("method", {}))
             if ctx.buffer is not None and st.get("buffer"):
@@ -369,7 +396,9 @@ class RunFolder:
         scaler = getattr(self.acc, "scaler", None)
         if scaler is not None and scaler.is_enabled():
             st["grad_scaler"] = scaler.state_dict()
-        return st
+        # sharded state gathered whole for the main process, which writes it (every process
+        # calls this)
+        return fsdp.to_full(st, main_only=True)
 
     def _load_last(self, opt: Any, sched: Any, ctx: TaskContext, total: int) -> None:
         """Restore the mid-task checkpoint (weights, optimizer, schedule, method state), then
@@ -383,7 +412,10 @@ class RunFolder:
                 from safetensors.torch import load_file
 
                 self.tuning.load_state(self.model, load_file(str(last / TUNE_STATE)))
-            opt.load_state_dict(load_torch(last / "optimizer.pt"))
+            opt_state = load_torch(last / "optimizer.pt")
+            if fsdp.is_sharded(self.model):
+                opt_state = fsdp.optimizer_state_in(opt, opt_state)
+            opt.load_state_dict(opt_state)
             sched.load_state_dict(load_torch(last / "scheduler.pt"))
             self._restore_method_state(load_state(last, METHOD_STATE), ctx)
         except Exception as e:  # noqa: BLE001 (torch, safetensors and JSON raise their own)
@@ -446,29 +478,35 @@ class RunFolder:
         from cvl.models import save_weights
 
         self._check_weights(ctx)
-        state = self._method_state(ctx)  # collective-free; every rank computes it
+        state = self._method_state(ctx)  # every rank computes it (gathers under --fsdp)
         cost = self.cost.state()  # collective: counts summed over ranks
+        weights = fsdp.full_state(self.model)  # --fsdp: gathered (collective), else None
+        sharded = weights is not None
+        opt_state = fsdp.optimizer_state_out(opt) if sharded else opt.state_dict()
+        keeper = getattr(self, "_keeper", None)
+        best = keeper.weights if keeper is not None else None
+        best = fsdp.to_full(best, main_only=True) if sharded and best is not None else best
         if self.acc.is_main_process:
             with atomic_dir(self.out / LAST, overwrite=True, retry="run") as tmp:
-                save_weights(self.model, tmp / MODEL_FILE)
+                save_weights(self.model, tmp / MODEL_FILE, state=weights)
                 if self.tuning.adapters:
                     from safetensors.torch import save_file
 
                     save_file(self.tuning.state(self.model), str(tmp / TUNE_STATE))
-                save_torch(tmp / "optimizer.pt", opt.state_dict())
+                save_torch(tmp / "optimizer.pt", opt_state)
                 save_torch(tmp / "scheduler.pt", sched.state_dict())
                 save_state(tmp, METHOD_STATE, state)
                 pos = {"task_index": ctx.task_index, "task": ctx.task_name, "step": ctx.step}
+                pos["processes"] = self.acc.num_processes  # its batches are B × this
                 pos["cost"] = cost
                 if self._budget_rec is not None:
                     pos["budget"] = self._budget_rec
-                keeper = getattr(self, "_keeper", None)
                 if keeper is not None:
                     pos["best"] = keeper.info()
-                    if keeper.weights is not None:
+                    if best is not None:
                         from safetensors.torch import save_file
 
-                        save_file(keeper.weights, str(tmp / BEST_MODEL))
+                        save_file(best, str(tmp / BEST_MODEL))
                 write_json(tmp / "position.json", {**pos, **where})
         self.acc.wait_for_everyone()
 
@@ -484,6 +522,7 @@ class RunFolder:
 
         self._check_weights(ctx)
         state = self._method_state(ctx)
+        weights = fsdp.full_state(self.model)  # --fsdp: gathered (collective), else None
         gb = self.cfg.batch_size * self.acc.num_processes * self.cfg.grad_accum
         cost = self.cost.task_record(ctx.step, gb, self.acc.num_processes)  # collective
         budget = getattr(self, "_budget_rec", None)
@@ -492,7 +531,7 @@ class RunFolder:
         if self.acc.is_main_process:
             d = task_dir(self.out, ti, self.order[ti])
             with atomic_dir(d, overwrite=True, retry="run") as tmp:
-                save_weights(self.model, tmp / MODEL_FILE)
+                save_weights(self.model, tmp / MODEL_FILE, state=weights)
                 save_state(tmp, METHOD_STATE, state)
                 if self._log_path.is_file():
                     shutil.copy(self._log_path, tmp / "train_log.jsonl")

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from cvl.errors import CvlError
+from cvl.train.fsdp import gathered, state_copy
 
 SELECT_CHOICES = ("auto", "last", "best-val")
 
@@ -50,7 +51,8 @@ def val_score(model: Any, manifest: Any, set_name: str, task: str, accelerator: 
     model.eval()
     try:
         ds = eval_dataset(model, manifest.eval_shards(set_name, task))
-        e = embed_dataset(model, ds, accelerator=accelerator)
+        with gathered(model):  # --fsdp: ranks may embed different numbers of batches
+            e = embed_dataset(model, ds, accelerator=accelerator)
     finally:
         model.train(was)
     r = retrieval_metrics(
@@ -77,7 +79,7 @@ class BestKeeper:
         if self.score is not None and score <= self.score:
             return False
         self.score, self.epoch, self.step = score, epoch, step
-        self.weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        self.weights = state_copy(model)  # CPU copies (local shards under --fsdp)
         return True
 
     def info(self) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from cvl.data.selection import task_dataset
 from cvl.data.transforms import image_transform
 from cvl.methods.base import TaskContext, frozen_copy
 from cvl.runs import MODEL_FILE, task_dir
+from cvl.train.fsdp import gathered
 
 
 class TrainerServices:
@@ -34,7 +35,7 @@ class TrainerServices:
 
         i = ctx.task_index - 1
         if self._prev_cache is None or self._prev_cache[0] != i:
-            m = frozen_copy(self.model)
+            m = frozen_copy(self.model)  # --fsdp: sharded on the model's plan
             load_weights(m, task_dir(self.out, i, self.order[i]) / MODEL_FILE)
             self._prev_cache = (i, m.to(self.acc.device))
         return self._prev_cache[1]
@@ -48,18 +49,19 @@ class TrainerServices:
         model.eval()
         feats = []
         rank, world = self.acc.process_index, self.acc.num_processes
-        for b in eval_loader(ds, batch_size, rank=rank, world=world):
-            img, txt = b["image"].to(self.acc.device), b["text"].to(self.acc.device)
-            out = model(img, txt)
-            if getattr(model, "has_fusion", False):
-                f = torch.nn.functional.normalize(
-                    model.fusion_cls(out["image_embeds"], txt), dim=-1
-                )
-            else:
-                f = torch.nn.functional.normalize(
-                    out["image_features"] + out["text_features"], dim=-1
-                )
-            feats.append(f.float())
+        with gathered(model):  # --fsdp: ranks may embed different numbers of batches
+            for b in eval_loader(ds, batch_size, rank=rank, world=world):
+                img, txt = b["image"].to(self.acc.device), b["text"].to(self.acc.device)
+                out = model(img, txt)
+                if getattr(model, "has_fusion", False):
+                    f = torch.nn.functional.normalize(
+                        model.fusion_cls(out["image_embeds"], txt), dim=-1
+                    )
+                else:
+                    f = torch.nn.functional.normalize(
+                        out["image_features"] + out["text_features"], dim=-1
+                    )
+                feats.append(f.float())
         model.train(was)
         local = torch.cat(feats) if feats else torch.zeros(0, model.embed_dim)
         if world > 1:

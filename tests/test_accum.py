@@ -73,6 +73,7 @@ def test_fusion_model_is_refused_in_one_line(stream, tmp_path):
     "over, says",
     [
         ({"method": "lwf"}, "method 'lwf': not yet tested"),
+        ({"method": "seqft", "budget": "samples=64"}, "method 'seqft': with --budget"),
         (
             {"method": "seqft", "buffer": "reservoir", "buffer_size": 16},
             "method 'seqft': with --buffer",
@@ -98,3 +99,14 @@ def test_cvl_methods_says_which_methods_cached_accumulation_trains():
     text = CliRunner().invoke(methods).output
     assert "--accum-mode cached: yes" in text
     assert "--accum-mode cached: refused: not yet tested" in text
+
+
+def test_cached_accumulation_with_fsdp_is_refused_in_one_line(stream, tmp_path):
+    from cvl.errors import CvlError
+    from cvl.train.config import resolve
+    from cvl.train.loop import Trainer
+
+    over = {"method": "seqft", "fsdp": True, "grad_accum": 2, "accum_mode": "cached"}
+    cfg = resolve(None, {"stream": str(stream), "out": str(tmp_path / "r"), **over})
+    with pytest.raises(CvlError, match="--accum-mode cached: method 'seqft': with --fsdp"):
+        Trainer(cfg, progress=False)

@@ -84,6 +84,8 @@ def refusal(method: Any, cfg: Any) -> str | None:
         return FUSION
     if getattr(cfg, "fsdp", False):
         return "with --fsdp (sharded second pass not built yet)"
+    if getattr(cfg, "budget", None) or getattr(cfg, "compile", False):
+        return "with --budget or --compile (the step probe counts a plain step: not yet)"
     if getattr(cfg, "buffer", None):
         return "with --buffer (replay mixed per micro-batch: not yet tested)"
     return method.accum_refusal(cfg) or (None if cfg.method in VERIFIED else UNVERIFIED)
@@ -100,17 +102,6 @@ def check(method: Any, cfg: Any) -> None:
             + (" with --model fusion" if why == FUSION else "")
             + f": {why}; use --accum-mode plain (each micro-batch its own loss)"
         )
-
-
-def describe(cfg: Any) -> dict[str, Any]:
-    """What run.json and the cost records say of the accumulation that ran."""
-    k = int(cfg.grad_accum)
-    mode = getattr(cfg, "accum_mode", "plain")
-    rec: dict[str, Any] = {"mode": mode, "micro_batches": k}
-    if k > 1:
-        rec["loss_over"] = "step" if is_cached(cfg) else "micro-batch"
-        rec["second_forward"] = is_cached(cfg)  # the FLOPs of each step include it
-    return rec
 
 
 # -- the data layout ------------------------------------------------------------------------

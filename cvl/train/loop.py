@@ -55,7 +55,7 @@ from cvl.train.budget import budget_options, measure_step, parse_budget, plan_ta
 from cvl.train.config import TrainConfig
 from cvl.train.cost import CostTracker
 from cvl.train.guards import NonFiniteGuards
-from cvl.train.logwindow import LogWindow, first_nonfinite
+from cvl.train.logwindow import LogWindow, first_nonfinite, log_record, trackers
 from cvl.train.optim import optimizer_with_schedule, seed_torch
 from cvl.train.plan import (
     BN_MESSAGE,
@@ -85,7 +85,7 @@ class Trainer(RunFolder, NonFiniteGuards, TrainerServices):
         self.cfg = cfg
         self.out = Path(cfg.out)
         self.progress = progress
-        log_with = self._trackers(cfg.log_with)
+        log_with = trackers(cfg.log_with)
         # before the model reaches a GPU: the cuBLAS workspace is fixed at its first call
         dev = launch_device(cfg.device)
         if cfg.precision == "fp16" and dev.type == "cpu":
@@ -179,23 +179,6 @@ class Trainer(RunFolder, NonFiniteGuards, TrainerServices):
 
     # -- setup -------------------------------------------------------------------------------
 
-    @staticmethod
-    def _trackers(log_with: str) -> list[str] | None:
-        """Accelerate's trackers for --log-with (auto: tensorboard where installed); one
-        named but not installed is one line (Accelerate would only warn and log nothing)."""
-        from importlib.util import find_spec
-
-        if log_with == "none":
-            return None
-        if log_with == "auto":
-            return ["tensorboard"] if find_spec("tensorboard") else None
-        if not find_spec(log_with):
-            raise CvlError(
-                f"--log-with {log_with}: the {log_with} package is not installed (pip install "
-                f"{log_with}); or use --log-with none"
-            )
-        return [log_with]
-
     def _tune_seed(self, ti: int) -> int:
         """The seed of task `ti`'s fresh adapter (`--tune lora/dora`)."""
         return sample_seed(int(self.cfg.seed), ti, 29)
@@ -250,7 +233,7 @@ class Trainer(RunFolder, NonFiniteGuards, TrainerServices):
         self.indices = indices
         start, pos = self._resume_point(indices, ctx)
         todo = any(ti >= start for ti in indices)  # a finished run writes nothing, not even logs
-        if todo and self.acc.is_main_process and self._trackers(cfg.log_with):
+        if todo and self.acc.is_main_process and trackers(cfg.log_with):
             try:
                 acc.init_trackers("cvl", config={k: str(v) for k, v in cfg.to_json().items()})
             except Exception as e:  # noqa: BLE001 (each tracker raises its own: wandb's login)
@@ -572,29 +555,7 @@ class Trainer(RunFolder, NonFiniteGuards, TrainerServices):
         hit = first_nonfinite(per_step)
         if hit is not None:
             self._nonfinite(hit[1], hit[0], ctx)  # past the allowance (0 here): stops
-        terms = {k[2:]: v for k, v in vals.items() if k.startswith("t:")}
-        if n == 0 and skipped:  # a line of skipped steps only: show the values that failed
-            terms = bad_terms
-        rec = {
-            "task": ctx.task_name,
-            "task_index": ctx.task_index,
-            "epoch": epoch,
-            "step": ctx.step,
-            "global_step": ctx.global_step,
-            "steps": n,
-            "lr": lr,
-            "loss": sum(terms.values()),
-            **terms,
-            "samples_per_s": vals["samples"] / max(dt, 1e-9),
-            "replaced_samples": int(vals["replaced"]),
-        }
-        rec.update({f"m/{k[2:]}": v for k, v in vals.items() if k.startswith("m:")})
-        if "grad_norm" in vals:
-            rec["grad_norm"] = vals["grad_norm"]
-        if skipped:
-            rec["nonfinite_skipped"] = skipped
-        if self._task_data.sizes:  # --mixture: items per global batch from each source
-            rec["mixture"] = self._task_data.sizes
+        rec = log_record(vals, n, skipped, bad_terms, lr, dt, ctx, epoch, self._task_data.sizes)
         self._log(rec, ctx)
         bar.update(n + skipped)
         bar.set_postfix(loss=f"{rec['loss']:.3f}")
@@ -613,6 +574,6 @@ class Trainer(RunFolder, NonFiniteGuards, TrainerServices):
         self._log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self._log_path, "a", encoding="utf-8") as f:
             f.write(json.dumps(rec) + "\n")
-        if self._trackers(self.cfg.log_with):
+        if trackers(self.cfg.log_with):
             scalars = {f"{ctx.task_name}/{k}": v for k, v in rec.items() if isinstance(v, float)}
             self.acc.log(scalars, step=ctx.global_step)

@@ -22,8 +22,9 @@ AdamW neither decays nor moves a parameter the step did not reach, whatever the 
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -122,6 +123,40 @@ def gather_no_grad(x: torch.Tensor) -> torch.Tensor:
 def local_rows(n_local: int) -> slice:
     """This rank's rows inside a gathered global batch."""
     return slice(rank() * n_local, (rank() + 1) * n_local)
+
+
+# -- the micro-batches of cached accumulation (`cvl.train.accum`) ------------------------------
+
+#: (k, K) while micro-batch k of a cached step of K runs its forward; None otherwise
+_MICRO: tuple[int, int] | None = None
+
+
+@contextlib.contextmanager
+def micro_batch(k: int, count: int) -> Iterator[None]:
+    """Forwards run inside are those of micro-batch `k` of `count` of one cached
+    accumulation step (`row_span` places their rows in the step's whole batch)."""
+    global _MICRO
+    before, _MICRO = _MICRO, (k, count)
+    try:
+        yield
+    finally:
+        _MICRO = before
+
+
+def row_span(n_local: int) -> tuple[int, slice]:
+    """(rows of the global batch, this rank's rows of it) for values a forward draws once
+    per global batch and slices by row (MoE-Adapters' router noise and adapter dropout).
+
+    Normally n_local × processes rows and `local_rows`. In micro-batch k of K of a cached
+    step (`micro_batch`) the batch is the step's: n_local × K × processes rows, rank-major
+    (rank r holds rows [r·K·n, (r+1)·K·n), micro-batch k the k-th n of them:
+    `cvl.train.accum.rank_major` lays the data out so), so each row draws what it would in
+    one batch of K·n rows per process."""
+    if _MICRO is None:
+        return n_local * world_size(), local_rows(n_local)
+    k, count = _MICRO
+    start = (rank() * count + k) * n_local
+    return n_local * count * world_size(), slice(start, start + n_local)
 
 
 @torch.no_grad()

@@ -33,6 +33,7 @@ from cvl.losses import clip_loss
 from cvl.methods.base import PreviousModelMethod, TaskContext, base_loss
 from cvl.methods.registry import register
 from cvl.methods.regularizers import is_last_task, note, task_batches
+from cvl.train.accum import frozen_rows
 
 
 def feature_importance(model: Any, batches, ctx: TaskContext) -> dict[str, torch.Tensor]:
@@ -87,8 +88,8 @@ class AFC(PreviousModelMethod):
         if self.old is None or not self.importance:
             return terms
         with torch.no_grad():
-            oi = self.old.encode_image(batch["image"], normalize=False)
-            ot = self.old.encode_text(batch["text"], normalize=False)
+            oi = frozen_rows(self.old.encode_image, batch["image"], normalize=False)
+            ot = frozen_rows(self.old.encode_text, batch["text"], normalize=False)
         drift = weighted_drift(out["image_raw"], oi, self.importance["image"])
         drift = drift + weighted_drift(out["text_raw"], ot, self.importance["text"])
         terms["afc"] = self.args["weight"] * drift / 2

@@ -34,6 +34,7 @@ from cvl.dist import all_reduce_mean, gather_no_grad, local_rows, world_size
 from cvl.errors import CvlError
 from cvl.losses import class_text_ce, clip_loss
 from cvl.methods.registry import get_method
+from cvl.train.accum import frozen_rows
 
 #: `--base-loss` choices and their `--base-loss-arg` defaults. class-ce: the ZSCL code's MTIL
 #: objective: logits = the model's own logit scale (the code's `logit_scale.exp()`, a parameter
@@ -202,6 +203,10 @@ class Method:
     tune_also: tuple[str, ...] = ()
     #: the method's defaults for `--tune-arg`s, by `--tune` mode (the user's args win)
     tune_defaults: dict[str, dict[str, Any]] = {}
+    #: why `--accum-mode cached` cannot train this method (`cvl.train.accum`; None: it can,
+    #: with its `loss` run once on the step's whole batch and frozen models through
+    #: `frozen_rows`); `accum_refusal` may decide by the method's arguments
+    cached_refusal: str | None = None
 
     def __init__(self, args: dict[str, Any] | None = None) -> None:
         self.args = self.resolve_args(args or {})
@@ -226,6 +231,10 @@ class Method:
         """What tables call a run of this method with resolved arguments `args` when they
         make it another protocol (joint's Oracle); None: the method's plain form."""
         return None
+
+    def accum_refusal(self, cfg: Any) -> str | None:
+        """Why `--accum-mode cached` cannot train this method with `cfg` (None: it can)."""
+        return self.cached_refusal
 
     def check_choice(self, key: str, choices: tuple[str, ...]) -> None:
         """A clear error unless argument `key` is one of `choices`."""
@@ -337,6 +346,9 @@ class Wrapper(Method):
             self.tunes = tuple(t for t in own_tunes if self.tunes is None or t in self.tunes)
 
     # -- every hook goes to the base method ---------------------------------------------------
+    def accum_refusal(self, cfg: Any) -> str | None:
+        return super().accum_refusal(cfg) or self.inner.accum_refusal(cfg)
+
     def setup(self, ctx: TaskContext) -> None:
         self.inner.setup(ctx)
 
@@ -399,8 +411,11 @@ class PreviousModelMethod(Method):
 
     @torch.no_grad()
     def old_features(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The old model's normalised (image, text) features of this rank's batch."""
-        return self.old.encode_image(batch["image"]), self.old.encode_text(batch["text"])
+        """The old model's normalised (image, text) features of this rank's batch (a micro-batch
+        at a time under cached accumulation: `frozen_rows`)."""
+        return frozen_rows(self.old.encode_image, batch["image"]), frozen_rows(
+            self.old.encode_text, batch["text"]
+        )
 
 
 def base_loss(

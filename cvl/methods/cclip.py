@@ -85,6 +85,7 @@ from cvl.errors import CvlError
 from cvl.methods.base import Method, TaskContext, base_loss
 from cvl.methods.registry import register
 from cvl.models.tune import scale_adapters_
+from cvl.train.accum import frozen_rows
 
 LAYOUTS = ("concat", "stack")
 #: the embedding layers C-CLIP trains beside its LoRA (`embeddings=true`; module docstring)
@@ -223,8 +224,8 @@ class CCLIP(Method):
             return terms
         with torch.no_grad():
             z = (
-                gather_no_grad(self.old.encode_image(batch["image"], normalize=False)),
-                gather_no_grad(self.old.encode_text(batch["text"], normalize=False)),
+                gather_no_grad(frozen_rows(self.old.encode_image, batch["image"], normalize=False)),
+                gather_no_grad(frozen_rows(self.old.encode_text, batch["text"], normalize=False)),
             )
         # the projector on the global batch: BatchNorm over every rank's pairs
         h = (

@@ -14,6 +14,7 @@ def methods(verbose: bool) -> None:
     Any method combines with a replay buffer: `--buffer reservoir|ring|kmeans|mof`.
     """
     from cvl.methods.registry import all_methods
+    from cvl.train.accum import UNVERIFIED, VERIFIED
     from cvl.train.fsdp import method_support
 
     reg = all_methods()
@@ -25,6 +26,10 @@ def methods(verbose: bool) -> None:
             click.echo(pad + "defaults: " + ", ".join(f"{k}={v}" for k, v in cls.defaults.items()))
         if cls.tunes:
             click.echo(pad + f"needs: --tune {' or '.join(cls.tunes)}")
+        cached_why = cls.cached_refusal or (None if name in VERIFIED else UNVERIFIED)
+        click.echo(
+            pad + "--accum-mode cached: " + (f"refused: {cached_why}" if cached_why else "yes")
+        )
         why = method_support(cls)
         if why is not True:
             click.echo(pad + f"--fsdp: not supported ({why})")

@@ -77,6 +77,7 @@ from cvl.dist import gather_no_grad, gather_with_grad, local_rows
 from cvl.losses import clip_loss, global_mlm_distillation, kl_rows
 from cvl.methods.base import Method, TaskContext, frozen_copy, mlm_term
 from cvl.methods.registry import register
+from cvl.train.accum import frozen_rows
 
 # -- the pieces, as functions (tested one by one) -----------------------------------------------
 
@@ -281,10 +282,11 @@ class CTP(Method):
         )
         if a["momentum_weight"] or distill_mlm:
             with torch.no_grad():
+                m = self.momentum_model
                 if distill_mlm:
-                    out_m = self.momentum_model(batch["image"], batch["text"], mlm_ids=masked)
+                    out_m = frozen_rows(m, batch["image"], batch["text"], mlm_ids=masked)
                 else:
-                    out_m = self.momentum_model(batch["image"], batch["text"])
+                    out_m = frozen_rows(m, batch["image"], batch["text"])
                 v_m = gather_no_grad(out_m["image_features"].detach())
                 w_m = gather_no_grad(out_m["text_features"].detach())
             if a["momentum_weight"]:
@@ -299,7 +301,7 @@ class CTP(Method):
             self.queue_ptr = enqueue(self.queue_v, self.queue_ptr, v_m)
         if self.ref is not None and (a["cross_modal_weight"] or a["same_modal_weight"]):
             with torch.no_grad():
-                out_r = self.ref(batch["image"], batch["text"])
+                out_r = frozen_rows(self.ref, batch["image"], batch["text"])
             cross, same = topology_terms(
                 v, w, out_r["image_features"], out_r["text_features"], a["temp"], a["diag_value"]
             )

@@ -126,6 +126,7 @@ from cvl.models.text_embeds import (  # noqa: F401 (re-exported: tests)
     pooled_length,
     token_embedding,
 )
+from cvl.train.accum import loss_batch
 from cvl.train.fsdp import gathered, local, plain, tensor_norms
 
 
@@ -410,7 +411,7 @@ class IncCLIP(PreviousModelMethod):
             return
         g = ctx.generator
         n_mem = self.mem_tokens.shape[0]
-        gb = ctx.config.batch_size * ctx.accelerator.num_processes
+        gb = loss_batch(ctx.config, ctx.accelerator.num_processes)  # cached accumulation: K·B·P
         nb = min(n_mem, a["gen_images"] or gb)
         k = a["n_pseudo"]
         idx = torch.randperm(n_mem, generator=g)[:nb]  # the memory mini-batch

@@ -37,6 +37,7 @@ from cvl.checks import NON_NEGATIVE_FLOAT, POSITIVE_FLOAT
 from cvl.losses import global_mlm_distillation, kl_rows, old_new_global_logits
 from cvl.methods.base import PreviousModelMethod, TaskContext, base_terms, mlm_term
 from cvl.methods.registry import register
+from cvl.train.accum import frozen_rows
 
 VARIANTS = ("feature", "logits")
 
@@ -126,9 +127,9 @@ class LwF(PreviousModelMethod):
             return terms
         with torch.no_grad():
             if fusion:
-                old_out = self.old(batch["image"], batch["text"], mlm_ids=masked)
+                old_out = frozen_rows(self.old, batch["image"], batch["text"], mlm_ids=masked)
             else:
-                old_out = self.old(batch["image"], batch["text"])
+                old_out = frozen_rows(self.old, batch["image"], batch["text"])
         terms.update(self.distill(batch, out, old_out, ctx))
         if fusion and a["mlm_distill_weight"]:
             terms[f"{self.prefix}_mlm"] = a["mlm_distill_weight"] * global_mlm_distillation(

@@ -99,6 +99,7 @@ from cvl.errors import CvlError
 from cvl.methods import moe_layers as ml
 from cvl.methods.base import Method, TaskContext, base_loss
 from cvl.methods.registry import register
+from cvl.train.accum import frozen_rows
 from cvl.train.fsdp import gathered
 
 
@@ -218,9 +219,9 @@ class MoEAdapters(Method):
         for tower, ae in st.ddas.items():
             with torch.no_grad():
                 x = batch["image"] if tower == "image" else batch["text"]
-                u = torch.nn.functional.normalize(
-                    ml.zero_shot_features(ctx.model, tower, x).float(), dim=-1
-                )
+                # the frozen CLIP (adapters off), a micro-batch at a time when cached
+                f0 = frozen_rows(ml.zero_shot_features, ctx.model, tower, x)
+                u = torch.nn.functional.normalize(f0.float(), dim=-1)
             ae_loss = ae_loss + ae.error(u, t).mean()
         terms["moe_ddas"] = self.args["ddas_weight"] * ae_loss
         return terms

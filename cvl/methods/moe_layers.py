@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cvl.dist import local_rows, world_size
+from cvl.dist import row_span
 from cvl.errors import CvlError
 
 #: The model-config key that carries the layers' settings (`model_from_config` attaches them).
@@ -79,6 +79,10 @@ class MoEAdapter(nn.Module):
     source's `choose_map`); `frozen` marks experts frozen after an earlier task (model state).
     """
 
+    #: what a forward that cached accumulation runs again leaves as it was (`cvl.train.accum`):
+    #: the choices are counted once per micro-batch
+    replayed_state = ("pending",)
+
     def __init__(self, dim: int, spec: dict[str, Any]) -> None:
         super().__init__()
         e, t = int(spec["experts"]), int(spec["tasks"])
@@ -111,8 +115,9 @@ class MoEAdapter(nn.Module):
         from cvl.data.reader import sample_seed
 
         g = torch.Generator().manual_seed(sample_seed(self.seed, self.salt, salt))
-        full = torch.randn((n_local * world_size(), *shape), generator=g)
-        return full[local_rows(n_local)].to(device)
+        total, rows = row_span(n_local)  # cached accumulation: the step's batch (cvl.dist)
+        full = torch.randn((total, *shape), generator=g)
+        return full[rows].to(device)
 
     def gates(self, x0: torch.Tensor, routes: torch.Tensor) -> torch.Tensor:
         """Gates [B, E] of the rows' routers on their first tokens x0 [B, d]."""

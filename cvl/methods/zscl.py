@@ -144,6 +144,16 @@ class ZSCL(Wrapper):
         self.anchor: list[torch.Tensor] | None = None
         self._l2_value: torch.Tensor | None = None
 
+    def accum_refusal(self, cfg: Any) -> str | None:
+        """Cached accumulation: only with a reference batch of its own size (`ref_batch`)."""
+        if not self.args["ref_batch"]:
+            return (
+                "ref_batch=0 makes its reference batch as large as the step's, and the student "
+                "runs on it with a graph inside the loss (every row's activations at once): "
+                "give --method-arg ref_batch=N"
+            )
+        return super().accum_refusal(cfg)
+
     def setup(self, ctx: TaskContext) -> None:
         super().setup(ctx)
         from cvl.streams.manifest import load_manifest

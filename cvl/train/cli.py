@@ -44,6 +44,7 @@ _OPTS = [
     "cooldown",
     "grad_clip",
     "grad_accum",
+    "accum_mode",
     "precision",
     "seed",
     "augment",
@@ -191,7 +192,24 @@ _OPTS = [
     type=LIMITS["grad_accum"],
     default=1,
     show_default=True,
-    help="Micro-batches per optimizer step.",
+    help="Micro-batches per optimizer step (what they train: --accum-mode).",
+)
+@click.option(
+    "--accum-mode",
+    default="plain",
+    show_default=True,
+    type=click.Choice(["plain", "cached"]),
+    help="What --grad-accum K trains. cached: the loss of ONE batch of K x batch-size x "
+    "processes (every contrastive matrix over all of its pairs, distillation, queues, replay "
+    "as one big batch) with the memory of one micro-batch: each micro-batch runs forward "
+    "without a graph, the loss runs once on all their features, then each micro-batch runs "
+    "forward again and back-propagates its features' gradients (GradCache; ~one more forward "
+    "per micro-batch; the same randomness replayed; BatchNorm statistics per micro-batch as "
+    "in plain); methods it cannot serve are refused (`cvl methods`). plain: each micro-batch "
+    "its own loss (K times fewer negatives). plain is the default because it is the objective "
+    "every run trained before this option (a run.json without the key resumes as plain), "
+    "costs no extra forward and runs every method and model; use cached to reproduce a "
+    "paper's global batch on fewer GPUs (docs/scaling.md).",
 )
 @click.option(
     "--precision",

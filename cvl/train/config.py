@@ -54,6 +54,7 @@ class TrainConfig:
     eps: float = 1e-6
     grad_clip: float = 0.0  # max global grad norm; 0 = off
     grad_accum: int = 1
+    accum_mode: str = "plain"  # plain | cached: what --grad-accum K trains (cvl.train.accum)
     precision: str = "no"  # no | bf16 | fp16
     seed: int = 0
     augment: str = "openclip"  # openclip | ctp | none
@@ -145,6 +146,12 @@ class TrainConfig:
         if self.sync_bn not in SYNC_BN_CHOICES:
             raise CvlError(
                 f"--sync-bn must be one of {', '.join(SYNC_BN_CHOICES)}, got '{self.sync_bn}'"
+            )
+        from cvl.train.accum import ACCUM_MODES
+
+        if self.accum_mode not in ACCUM_MODES:
+            raise CvlError(
+                f"--accum-mode must be one of {', '.join(ACCUM_MODES)}, got '{self.accum_mode}'"
             )
         if self.fused_adamw is not None:
             self.fused_adamw = to_bool(self.fused_adamw, "--fused-adamw")

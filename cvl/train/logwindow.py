@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from cvl.dist import world_size
+from cvl.errors import CvlError
 
 
 @dataclass
@@ -152,3 +153,60 @@ def first_nonfinite(
         if not all(math.isfinite(v) for v in terms.values()):
             return rec, terms
     return None
+
+
+def log_record(
+    vals: dict[str, float],
+    n: int,
+    skipped: int,
+    bad_terms: dict[str, float],
+    lr: float,
+    dt: float,
+    ctx: Any,
+    epoch: int,
+    mixture: dict[str, int] | None,
+) -> dict[str, Any]:
+    """A log line from a window's reduced values (`LogWindow.reduce`): the task and step, the
+    mean loss terms (a line of skipped steps only: the values that failed), the rate and
+    counts, metrics, the gradient norm, and the --mixture sizes."""
+    terms = {k[2:]: v for k, v in vals.items() if k.startswith("t:")}
+    if n == 0 and skipped:
+        terms = bad_terms
+    rec = {
+        "task": ctx.task_name,
+        "task_index": ctx.task_index,
+        "epoch": epoch,
+        "step": ctx.step,
+        "global_step": ctx.global_step,
+        "steps": n,
+        "lr": lr,
+        "loss": sum(terms.values()),
+        **terms,
+        "samples_per_s": vals["samples"] / max(dt, 1e-9),
+        "replaced_samples": int(vals["replaced"]),
+    }
+    rec.update({f"m/{k[2:]}": v for k, v in vals.items() if k.startswith("m:")})
+    if "grad_norm" in vals:
+        rec["grad_norm"] = vals["grad_norm"]
+    if skipped:
+        rec["nonfinite_skipped"] = skipped
+    if mixture:  # --mixture: items per global batch from each source
+        rec["mixture"] = mixture
+    return rec
+
+
+def trackers(log_with: str) -> list[str] | None:
+    """Accelerate's trackers for --log-with (auto: tensorboard where installed); one named
+    but not installed is one line (Accelerate would only warn and log nothing)."""
+    from importlib.util import find_spec
+
+    if log_with == "none":
+        return None
+    if log_with == "auto":
+        return ["tensorboard"] if find_spec("tensorboard") else None
+    if not find_spec(log_with):
+        raise CvlError(
+            f"--log-with {log_with}: the {log_with} package is not installed (pip install "
+            f"{log_with}); or use --log-with none"
+        )
+    return [log_with]

@@ -49,11 +49,13 @@ from cvl.methods.registry import get_method
 from cvl.progress import progress_bar
 from cvl.streams.manifest import Manifest, load_manifest
 from cvl.train import fsdp
+from cvl.train.accum import FeatureCache, accumulate, is_cached, rank_major
+from cvl.train.accum import check as check_accumulation
 from cvl.train.budget import budget_options, measure_step, parse_budget, plan_task
 from cvl.train.config import TrainConfig
 from cvl.train.cost import CostTracker
 from cvl.train.guards import NonFiniteGuards
-from cvl.train.logwindow import LogWindow, first_nonfinite
+from cvl.train.logwindow import LogWindow, first_nonfinite, log_record, trackers
 from cvl.train.optim import optimizer_with_schedule, seed_torch
 from cvl.train.plan import (
     BN_MESSAGE,
@@ -83,7 +85,7 @@ class Trainer(RunFolder, NonFiniteGuards, TrainerServices):
         self.cfg = cfg
         self.out = Path(cfg.out)
         self.progress = progress
-        log_with = self._trackers(cfg.log_with)
+        log_with = trackers(cfg.log_with)
         # before the model reaches a GPU: the cuBLAS workspace is fixed at its first call
         dev = launch_device(cfg.device)
         if cfg.precision == "fp16" and dev.type == "cpu":
@@ -127,6 +129,8 @@ class Trainer(RunFolder, NonFiniteGuards, TrainerServices):
         self.budget_opts = budget_options(self.budget, cfg.budget_args)
         self.method_cls = get_method(cfg.method)
         self.method: Method = self.method_cls(cfg.method_args)
+        cached = is_cached(cfg)
+        check_accumulation(self.method, cfg)  # a method cached accumulation cannot serve
         if cfg.base_loss != "itc" and getattr(self.method, "itc_only", False):
             raise CvlError(
                 f"method '{cfg.method}' trains with its own contrastive objective: "
@@ -165,6 +169,8 @@ class Trainer(RunFolder, NonFiniteGuards, TrainerServices):
         # the training forward; methods' extra passes (old models, sub-encoders) stay eager
         self._forward = torch.compile(self.model) if cfg.compile else self.model
         self._reducer = GradReducer()  # gradients averaged over ranks during the backward
+        # --accum-mode cached: one loss over the step's micro-batches (cvl.train.accum)
+        self._cache = FeatureCache(self.model, cfg.grad_accum, self.acc.device) if cached else None
         self._clip = torch.nn.utils.clip_grad_norm_
         if cfg.fsdp:  # weights, gradients, optimizer state sharded (cvl.train.fsdp)
             fsdp.shard_(self.model, self.acc.device, cfg.precision)
@@ -172,23 +178,6 @@ class Trainer(RunFolder, NonFiniteGuards, TrainerServices):
             self._clip = fsdp.clip_grad_norm_
 
     # -- setup -------------------------------------------------------------------------------
-
-    @staticmethod
-    def _trackers(log_with: str) -> list[str] | None:
-        """Accelerate's trackers for --log-with (auto: tensorboard where installed); one
-        named but not installed is one line (Accelerate would only warn and log nothing)."""
-        from importlib.util import find_spec
-
-        if log_with == "none":
-            return None
-        if log_with == "auto":
-            return ["tensorboard"] if find_spec("tensorboard") else None
-        if not find_spec(log_with):
-            raise CvlError(
-                f"--log-with {log_with}: the {log_with} package is not installed (pip install "
-                f"{log_with}); or use --log-with none"
-            )
-        return [log_with]
 
     def _tune_seed(self, ti: int) -> int:
         """The seed of task `ti`'s fresh adapter (`--tune lora/dora`)."""
@@ -244,7 +233,7 @@ class Trainer(RunFolder, NonFiniteGuards, TrainerServices):
         self.indices = indices
         start, pos = self._resume_point(indices, ctx)
         todo = any(ti >= start for ti in indices)  # a finished run writes nothing, not even logs
-        if todo and self.acc.is_main_process and self._trackers(cfg.log_with):
+        if todo and self.acc.is_main_process and trackers(cfg.log_with):
             try:
                 acc.init_trackers("cvl", config={k: str(v) for k, v in cfg.to_json().items()})
             except Exception as e:  # noqa: BLE001 (each tracker raises its own: wandb's login)
@@ -268,16 +257,28 @@ class Trainer(RunFolder, NonFiniteGuards, TrainerServices):
     ) -> tuple[dict, torch.Tensor]:
         """One micro-batch's forward and loss terms (images finished on the device by the
         split `transform`, or moved there as they are); (terms, sum)."""
-        acc = self.acc
-        batch["image"] = device_images(batch, transform, acc.device)
-        batch["text"] = batch["text"].to(acc.device, non_blocking=True)
-        with acc.autocast():
+        self._inputs(batch, transform)
+        return self._terms(batch, self._outputs(batch, ctx, forward), ctx)
+
+    def _inputs(self, batch: dict, transform: Any = None) -> None:
+        """The batch's images and tokens on the device (images finished by the split
+        `transform`, or moved as they are)."""
+        batch["image"] = device_images(batch, transform, self.acc.device)
+        batch["text"] = batch["text"].to(self.acc.device, non_blocking=True)
+
+    def _outputs(self, batch: dict, ctx: TaskContext, forward: Any) -> dict:
+        """The training forward on the batch's device inputs (the step's autocast)."""
+        with self.acc.autocast():
             try:
-                out = forward(batch["image"], batch["text"])
+                return forward(batch["image"], batch["text"])
             except ValueError as e:  # a batch BatchNorm cannot train on: one line
                 if BN_MESSAGE not in str(e):
                     raise
                 raise CvlError(batchnorm_message(ctx.task_name, batch["image"].shape[0])) from None
+
+    def _terms(self, batch: dict, out: dict, ctx: TaskContext) -> tuple[dict, torch.Tensor]:
+        """The method's loss terms (under the step's autocast) and their sum."""
+        with self.acc.autocast():
             terms = self.method.loss(batch, out, ctx)
         if self.cfg.fsdp:  # a term reduced over sharded tensors (a penalty): its whole value
             terms = {k: fsdp.plain(v) for k, v in terms.items()}
@@ -434,20 +435,27 @@ class Trainer(RunFolder, NonFiniteGuards, TrainerServices):
                     yield data.batch(e, b)  # computed when the loader asks: nothing stored
 
         # one loader (one set of workers) for the whole task: they prefetch across epoch ends
+        planned = plan()
+        if self._cache is not None:  # each rank's micro-batches: its slice of the step's batch
+            planned = rank_major(planned, cfg.grad_accum, acc.num_processes)
         batches = iter(
             make_loader(
                 ds,
-                prefetching(ds, plan()),  # --shard-cache: the coming batches' shards
+                prefetching(ds, planned),  # --shard-cache: the coming batches' shards
                 acc.process_index,
                 acc.num_processes,
                 self.workers,
                 pin_memory=acc.device.type == "cuda",
             )
         )
-        window = LogWindow(acc.device, cfg.grad_accum)
+        window = LogWindow(acc.device, 1 if self._cache is not None else cfg.grad_accum)
         params = self._task_params
         inner = getattr(opt, "optimizer", opt)  # zero_grad without Accelerate's per-step checks
         skip_mode = cfg.skip_nonfinite > 0  # a bad step must not update: read before each one
+
+        def prepare(last: bool) -> None:  # before a backward: the reducer sends on the last
+            self._reducer.prepare(params, last)
+
         done = ctx.step >= total
         for epoch in range(epoch0, steps.epochs):
             if done:
@@ -468,13 +476,12 @@ class Trainer(RunFolder, NonFiniteGuards, TrainerServices):
                     )
                     self.method.before_step(ctx)
                     window.begin_step(ctx.step + 1, opt.param_groups[0]["lr"], batch.get("id"))
-                terms, loss = self._micro(batch, ctx, self._forward, ds.transform)
-                self._reducer.prepare(params, micro + 1 == cfg.grad_accum)
-                self._backward(loss)
-                window.add_micro(terms, ctx.metrics, batch)
-                if skip_mode:
-                    losses.append(loss)
-                ctx.metrics = {}
+                got = accumulate(self, batch, ctx, micro, ds.transform, self._forward, prepare)
+                if got is not None:  # a loss ran its backward (cached: the step's, once)
+                    window.add_micro(got[1], ctx.metrics, got[0])
+                    if skip_mode:
+                        losses.append(got[2])
+                    ctx.metrics = {}
                 micro += 1
                 if micro < cfg.grad_accum:
                     continue
@@ -485,7 +492,7 @@ class Trainer(RunFolder, NonFiniteGuards, TrainerServices):
                 if skip_step:  # the backward ran (its read came after it): drop its gradients
                     self._reducer.finish(params)
                     rec = window.current
-                    n = cfg.grad_accum
+                    n = window.grad_accum  # losses per step (cached: one)
                     bad = {k: sum(float(d[k]) for d in rec.terms) / n for k in rec.terms[0]}
                     self._nonfinite(bad, rec, ctx)
                     window.skip_step(bad)
@@ -548,29 +555,7 @@ class Trainer(RunFolder, NonFiniteGuards, TrainerServices):
         hit = first_nonfinite(per_step)
         if hit is not None:
             self._nonfinite(hit[1], hit[0], ctx)  # past the allowance (0 here): stops
-        terms = {k[2:]: v for k, v in vals.items() if k.startswith("t:")}
-        if n == 0 and skipped:  # a line of skipped steps only: show the values that failed
-            terms = bad_terms
-        rec = {
-            "task": ctx.task_name,
-            "task_index": ctx.task_index,
-            "epoch": epoch,
-            "step": ctx.step,
-            "global_step": ctx.global_step,
-            "steps": n,
-            "lr": lr,
-            "loss": sum(terms.values()),
-            **terms,
-            "samples_per_s": vals["samples"] / max(dt, 1e-9),
-            "replaced_samples": int(vals["replaced"]),
-        }
-        rec.update({f"m/{k[2:]}": v for k, v in vals.items() if k.startswith("m:")})
-        if "grad_norm" in vals:
-            rec["grad_norm"] = vals["grad_norm"]
-        if skipped:
-            rec["nonfinite_skipped"] = skipped
-        if self._task_data.sizes:  # --mixture: items per global batch from each source
-            rec["mixture"] = self._task_data.sizes
+        rec = log_record(vals, n, skipped, bad_terms, lr, dt, ctx, epoch, self._task_data.sizes)
         self._log(rec, ctx)
         bar.update(n + skipped)
         bar.set_postfix(loss=f"{rec['loss']:.3f}")
@@ -589,6 +574,6 @@ class Trainer(RunFolder, NonFiniteGuards, TrainerServices):
         self._log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self._log_path, "a", encoding="utf-8") as f:
             f.write(json.dumps(rec) + "\n")
-        if self._trackers(self.cfg.log_with):
+        if trackers(self.cfg.log_with):
             scalars = {f"{ctx.task_name}/{k}": v for k, v in rec.items() if isinstance(v, float)}
             self.acc.log(scalars, step=ctx.global_step)

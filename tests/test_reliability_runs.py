@@ -59,7 +59,14 @@ RUNS = [
 ]  # fmt: skip
 # float16 autocast needs a GPU: one line on the CPU; tensorboard: trains where installed,
 # else one line (both in the test after the runs)
-ELSEWHERE = {("precision", "fp16"), ("log_with", "tensorboard")}
+# --accum-mode: plain is every run's default; cached trains in tests/test_accum.py (it refuses
+# buffers, the fusion model and most methods, which these rows use)
+ELSEWHERE = {
+    ("precision", "fp16"),
+    ("log_with", "tensorboard"),
+    ("accum_mode", "plain"),
+    ("accum_mode", "cached"),
+}
 
 
 def test_every_value_of_every_train_choice_option_has_a_run():

@@ -304,7 +304,7 @@ def _all_logs(run: Path) -> list[dict]:
     return out
 
 
-@pytest.mark.slow
+@pytest.mark.matrix  # every method, ~2.5 min of launches: make matrix
 @pytest.mark.xdist_group("dist_runs")  # one worker runs the module fixture's torchrun launches
 @pytest.mark.parametrize("method", trained_methods())
 def test_every_method_two_processes_equal_one(method, dist_runs):

@@ -40,6 +40,7 @@ from cvl.methods.base import TaskContext, base_loss
 from cvl.methods.ewc import EWC, task_fisher
 from cvl.methods.registry import register
 from cvl.methods.regularizers import task_batches, trainable
+from cvl.train.accum import FeatureCache, is_cached
 from cvl.train.cost import extra
 from cvl.train.fsdp import clip_grad_norm_, is_sharded, optimizer_state_in, sharded_copy
 
@@ -110,10 +111,16 @@ class AFEC(EWC):
         gen_ctx = copy.copy(ctx)
         gen_ctx.model = model
         losses = []
+        cache = FeatureCache(model, accum, ctx.device) if is_cached(cfg) else None
+
+        def run(b: dict) -> dict:
+            return model(b["image"], b["text"])
+
         with torch.random.fork_rng(devices=[]):
             model.train()
             micro, done = 0, 0
-            batches = task_batches(gen_ctx, ctx.task_entries, task_seed, ctx.epoch)
+            step_batches = accum if cache is not None else 1  # the main loop's layout
+            batches = task_batches(gen_ctx, ctx.task_entries, task_seed, ctx.epoch, step_batches)
             for batch in batches:
                 if done >= steps:
                     break
@@ -121,10 +128,19 @@ class AFEC(EWC):
                     s = sample_seed(int(cfg.seed), ctx.task_index, ctx.epoch, done, 515)
                     torch.manual_seed(s)
                     gen_ctx.generator = torch.Generator().manual_seed(s)
-                out = model(batch["image"], batch["text"])
-                loss = sum(base_loss(model, batch, out, gen_ctx).values())
-                (loss / accum).backward()
-                losses.append(loss.detach())  # read once after the epoch: no sync per step
+                if cache is None:  # plain: each micro-batch its own loss
+                    out = run(batch)
+                    loss = sum(base_loss(model, batch, out, gen_ctx).values())
+                    (loss / accum).backward()
+                    losses.append(loss.detach())  # read once after the epoch: no sync per step
+                else:  # cached, as the main model's step: the loss of the step's whole batch
+                    cache.forward(batch, run)
+                    if micro + 1 == accum:
+                        whole, out = cache.whole()
+                        with cache.loss_pass():
+                            loss = sum(base_loss(model, whole, out, gen_ctx).values())
+                        cache.backward(loss, run)
+                        losses.append(loss.detach())
                 micro += 1
                 if micro < accum:
                     continue

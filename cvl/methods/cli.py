@@ -14,7 +14,6 @@ def methods(verbose: bool) -> None:
     Any method combines with a replay buffer: `--buffer reservoir|ring|kmeans|mof`.
     """
     from cvl.methods.registry import all_methods
-    from cvl.train.accum import UNVERIFIED, VERIFIED
     from cvl.train.fsdp import method_support
 
     reg = all_methods()
@@ -26,7 +25,7 @@ def methods(verbose: bool) -> None:
             click.echo(pad + "defaults: " + ", ".join(f"{k}={v}" for k, v in cls.defaults.items()))
         if cls.tunes:
             click.echo(pad + f"needs: --tune {' or '.join(cls.tunes)}")
-        cached_why = cls.cached_refusal or (None if name in VERIFIED else UNVERIFIED)
+        cached_why = _cached_refusal(cls)
         click.echo(
             pad + "--accum-mode cached: " + (f"refused: {cached_why}" if cached_why else "yes")
         )
@@ -36,3 +35,11 @@ def methods(verbose: bool) -> None:
         if verbose and cls.__doc__:
             for line in cls.__doc__.strip().splitlines()[1:]:
                 click.echo(pad + line.strip())
+
+
+def _cached_refusal(cls: type) -> str | None:
+    """Why `--accum-mode cached` refuses the method at its defaults (None: it trains it)."""
+    try:
+        return cls().accum_refusal(None)
+    except Exception:  # noqa: BLE001 (a method that cannot be built without its arguments)
+        return cls.cached_refusal

@@ -87,10 +87,14 @@ def merge_running_mean(old: Tensors | None, new: Tensors, t: int) -> Tensors:
     return old
 
 
-def task_batches(ctx: TaskContext, entries: list, seed: int, epoch: int = 0) -> Iterator[dict]:
-    """This rank's slices of the global batches of `entries` (training transform), on device."""
+def task_batches(
+    ctx: TaskContext, entries: list, seed: int, epoch: int = 0, step_batches: int = 1
+) -> Iterator[dict]:
+    """This rank's slices of the global batches of `entries` (training transform), on device;
+    `step_batches` > 1: regrouped as cached accumulation's steps of that many (`rank_major`)."""
     from cvl.data.reader import PairDataset, global_batches, make_loader
     from cvl.data.transforms import image_transform
+    from cvl.train.accum import rank_major
 
     cfg, acc, model = ctx.config, ctx.accelerator, ctx.model
     ds = PairDataset(
@@ -101,6 +105,7 @@ def task_batches(ctx: TaskContext, entries: list, seed: int, epoch: int = 0) -> 
     rank, world = acc.process_index, acc.num_processes
     block = int(getattr(cfg, "shuffle_block", 1) or 1)  # the main loop's order
     batches = global_batches(len(ds), cfg.batch_size * world, seed, epoch, block=block)
+    batches = rank_major(batches, step_batches, world)
     for b in make_loader(ds, batches, rank, world, getattr(ctx.services, "workers", 0)):
         b["image"] = b["image"].to(acc.device)
         b["text"] = b["text"].to(acc.device)

@@ -71,13 +71,6 @@ def loss_batch(cfg: Any, processes: int) -> int:
     return int(cfg.batch_size) * processes * (int(cfg.grad_accum) if is_cached(cfg) else 1)
 
 
-#: methods whose cached K × B is tested equal to one batch of K·B (tests/test_accum.py); the
-#: others are refused by name until their test passes (issue 53: covered or refused)
-VERIFIED = ("seqft", "modx")
-#: why a method outside VERIFIED is refused
-UNVERIFIED = "not yet tested equal to one batch of K x B (tests/test_accum.py)"
-
-
 def refusal(method: Any, cfg: Any) -> str | None:
     """Why cached accumulation cannot train `method` with `cfg` (None: it can)."""
     if getattr(cfg, "model", "clip") == "fusion":
@@ -86,9 +79,7 @@ def refusal(method: Any, cfg: Any) -> str | None:
         return "with --fsdp (sharded second pass not built yet)"
     if getattr(cfg, "budget", None) or getattr(cfg, "compile", False):
         return "with --budget or --compile (the step probe counts a plain step: not yet)"
-    if getattr(cfg, "buffer", None):
-        return "with --buffer (replay mixed per micro-batch: not yet tested)"
-    return method.accum_refusal(cfg) or (None if cfg.method in VERIFIED else UNVERIFIED)
+    return method.accum_refusal(cfg)
 
 
 def check(method: Any, cfg: Any) -> None:
@@ -173,7 +164,7 @@ def _bn_buffers(m: nn.Module) -> list[torch.Tensor]:
 def replaying(model: nn.Module) -> Iterator[None]:
     """A forward run a second time: what forwards accumulate in `model` — BatchNorm running
     statistics, and each attribute a module names in `replayed_state` — is as before it
-    afterwards (it moved in the first pass)."""
+    afterwards (it moved in the first pass). Leave it after the forward's backward."""
     bn, attrs = [], []
     for m in model.modules():
         if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
@@ -309,23 +300,26 @@ class FeatureCache:
         n, last = self.rows, len(self._micro) - 1
         for k, (batch, states, _) in enumerate(self._micro):
             _set_rng_states(states, self.device)
-            with replaying(self.model), micro_batch(k, len(self._micro)):
-                out = run(batch)
-            ts, gs = [], []
-            for key, g in grads.items():
-                t = out[key]
-                if not t.requires_grad:
-                    continue
-                if _rows(g, n * len(self._micro)):
-                    ts.append(t)
-                    gs.append(g[k * n : (k + 1) * n])
-                elif k == last:  # shared by every row (the logit scale): once
-                    ts.append(t)
-                    gs.append(g)
-            prepare(k == last)
-            if ts:
-                torch.autograd.backward(ts, gs)
-            del out, ts, gs
+            # the state is put back after the backward: BatchNorm's backward checks that its
+            # running statistics (saved by the forward) were not modified in place
+            with replaying(self.model):
+                with micro_batch(k, len(self._micro)):
+                    out = run(batch)
+                ts, gs = [], []
+                for key, g in grads.items():
+                    t = out[key]
+                    if not t.requires_grad:
+                        continue
+                    if _rows(g, n * len(self._micro)):
+                        ts.append(t)
+                        gs.append(g[k * n : (k + 1) * n])
+                    elif k == last:  # shared by every row (the logit scale): once
+                        ts.append(t)
+                        gs.append(g)
+                prepare(k == last)
+                if ts:
+                    torch.autograd.backward(ts, gs)
+                del out, ts, gs
         self._micro = []
 
     def reset(self) -> None:

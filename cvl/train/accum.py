@@ -75,8 +75,6 @@ def refusal(method: Any, cfg: Any) -> str | None:
     """Why cached accumulation cannot train `method` with `cfg` (None: it can)."""
     if getattr(cfg, "model", "clip") == "fusion":
         return FUSION
-    if getattr(cfg, "fsdp", False):
-        return "with --fsdp (sharded second pass not built yet)"
     if getattr(cfg, "budget", None) or getattr(cfg, "compile", False):
         return "with --budget or --compile (the step probe counts a plain step: not yet)"
     return method.accum_refusal(cfg)

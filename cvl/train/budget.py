@@ -65,6 +65,7 @@ import torch
 
 from cvl.device import fork_rng
 from cvl.dist import average_gradients
+from cvl.train.accum import accumulate, rank_major
 from cvl.train.budgetspec import (  # noqa: F401  (re-exported: budget.py was their home)
     CVL,
     FOMO,
@@ -90,6 +91,8 @@ def _first_batches(trainer: Any, ctx: Any, ds: Any, gb: int) -> list[dict]:
 
     cfg, acc = trainer.cfg, trainer.acc
     bs = trainer._task_data.epoch(0)[: cfg.grad_accum]  # the loop's own (mixed) batches
+    if trainer._cache is not None:  # laid out as the loop's cached steps (cvl.train.accum)
+        bs = list(rank_major(bs, cfg.grad_accum, acc.num_processes))
     batches = list(make_loader(ds, bs, acc.process_index, acc.num_processes, 0))
     for b in batches:  # images finished on the device once (the split transform's batched part)
         b["image"] = device_images(b, ds.transform, acc.device)
@@ -185,6 +188,13 @@ def probe_step(
     if ctx.buffer is not None:
         owned += list(held_tensors(ctx.buffer))
     opt, _ = optimizer_with_schedule(params, cfg, max(1, ctx.steps_in_task), task=ctx.task_name)
+    cache = trainer._cache  # --accum-mode cached: the probe runs the cached step
+
+    def held(last: bool) -> None:  # before each backward of a cached step: a stage ends
+        if measure:
+            mem.hold(cache.held())
+            mem.micro_done()
+
     tracker.probing = ctx.probing = True
     try:
         with fork_rng(dev):
@@ -202,9 +212,12 @@ def probe_step(
                                 sample_seed(cfg.seed, ti, 0, 0)
                             )
                             method.before_step(ctx)
-                        _, loss = trainer._micro(batch, ctx, model)
-                        (loss / len(batches)).backward()
-                        del loss
+                        if cache is not None:  # the cached step the task trains (re-forward)
+                            accumulate(trainer, batch, ctx, micro, None, model, held, False)
+                        else:
+                            _, loss = trainer._micro(batch, ctx, model)
+                            (loss / len(batches)).backward()
+                            del loss
                         if measure:
                             mem.micro_done()
                     if measure:
@@ -227,6 +240,8 @@ def probe_step(
         method.before_task(ctx)
         trainer._restore_method_state(state, ctx)
     finally:
+        if cache is not None:
+            cache.reset()
         ctx.resuming = saved[4]
         tracker.probing = ctx.probing = False
     return {

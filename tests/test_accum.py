@@ -74,7 +74,7 @@ def test_fusion_model_is_refused_in_one_line(stream, tmp_path):
     "over, says",
     [
         ({"method": "lwf"}, "method 'lwf': not yet tested"),
-        ({"method": "seqft", "budget": "samples=64"}, "method 'seqft': with --budget"),
+        ({"method": "seqft", "compile": True}, "method 'seqft': with --compile"),
         (
             {"method": "seqft", "buffer": "reservoir", "buffer_size": 16},
             "method 'seqft': with --buffer",

@@ -1,7 +1,7 @@
 """Peak memory and step time of gradient accumulation: one batch of K·B, plain K × B, cached
 K × B (`cvl train --grad-accum K --accum-mode plain|cached`), JSON on stdout.
 
-For each method and K (default SeqF and the seed papers' methods; K = 1, 4, 16; B = 4 on the
+For each method and K (default SeqF and the seed papers' methods; K = 1, 4, 16; B = 8 on the
 CPU) three runs of `cvl train` (in this process, a 2-task synthetic stream, `--steps` steps
 per task) are measured on task 2, where old / momentum / reference models exist:
 
@@ -33,7 +33,7 @@ until CUDA runs out of memory (or `--max-batch`), against a global batch of N wi
 accumulation at that largest batch per micro-batch (K = N / it): peak memory and samples/s.
 
     python benchmarks/bench_accum.py [--methods seqft,ctp,modx,dkr,dha,incclip] [--ks 1,4,16]
-        [--batch 4] [--steps 4] [--model-config tiny-vit]
+        [--batch 8] [--steps 5] [--model-config tiny-vit] [--markdown TABLE.md]
     python benchmarks/bench_accum.py --device cuda --global-batch 4096 --precision bf16 \
         --workers 12 [--model-config ViT-B-16] [--start-batch 128]
 """
@@ -133,12 +133,18 @@ def _ratios(row: dict[str, Any], one: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def table(args: argparse.Namespace, stream: Path, tmp: Path) -> dict[str, Any]:
-    """{method: {"K=k": {one, plain, cached}}} with ratios to `one`."""
+def _base(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings every run shares."""
     base = {"model_config": args.model_config, "precision": args.precision}
     base.update(workers=args.workers, max_steps_per_task=args.steps, device=args.device)
     if args.device == "cpu":  # the `tensors` measure: the maf budget's probe (capped steps)
         base.update(budget="maf=1e9", budget_args={"memory": "tensors"})
+    return base
+
+
+def table(args: argparse.Namespace, stream: Path, tmp: Path) -> dict[str, Any]:
+    """{method: {"K=k": {one, plain, cached}}} with ratios to `one`."""
+    base = _base(args)
     out: dict[str, Any] = {}
     n = 0
     for method in args.methods.split(","):
@@ -173,6 +179,20 @@ def _oom(e: BaseException) -> bool:
     return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e)
 
 
+def _fitting(stream: Path, out: Path, setting: dict[str, Any]) -> dict[str, Any] | None:
+    """`measure` of a SeqF run, or None when the device runs out of memory."""
+    try:
+        return measure(stream, out, "seqft", setting)
+    except Exception as e:  # noqa: BLE001 (out of memory ends the search; anything else raises)
+        if not _oom(e):
+            raise
+        return None
+    finally:
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
 def global_batch(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     """The issue's GPU measurement (module doc): the largest plain batch, found by doubling,
     against `--global-batch` with cached accumulation at that batch per micro-batch."""
@@ -183,42 +203,64 @@ def global_batch(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     per_task = args.global_batch * args.steps
     spec = SynthSpec(tasks=2, per_task=per_task, image_size=size, test_per_task=8, seed=0)
     build_synthetic(stream, spec, progress=False)
-    base = {"model_config": args.model_config, "precision": args.precision}
-    base.update(workers=args.workers, max_steps_per_task=args.steps, device=args.device)
+    base = _base(args)
     tried: dict[int, Any] = {}
     b, best = args.start_batch, None
     while b <= min(args.global_batch, args.max_batch or args.global_batch):
-        try:
-            tried[b] = measure(stream, tmp / f"b{b}", "seqft", {**base, "batch_size": b})
-            best = b
-        except Exception as e:  # noqa: BLE001 (the doubling stops at the first OOM)
-            if not _oom(e):
-                raise
+        tried[b] = _fitting(stream, tmp / f"b{b}", {**base, "batch_size": b})
+        if tried[b] is None:
             tried[b] = "out of memory"
             break
-        finally:
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-        b *= 2
+        best, b = b, b * 2
     if best is None:
         return {"tried": tried, "error": f"batch {args.start_batch} does not fit"}
-    k = args.global_batch // best
-    cached = {**base, "batch_size": best, "grad_accum": k, "accum_mode": "cached"}
-    row = measure(stream, tmp / "cached", "seqft", cached)
-    res = {"largest_plain_batch": best, "tried": tried, "cached": {"K": k, "B": best, **row}}
+    b, row = best, None  # cached at the largest plain batch, halved while its features do not fit
+    while row is None and b >= 1:
+        k = args.global_batch // b
+        cached = {**base, "batch_size": b, "grad_accum": k, "accum_mode": "cached"}
+        row = _fitting(stream, tmp / f"cached{b}", cached)
+        b = b if row is not None else b // 2
+    if row is None:
+        return {"tried": tried, "error": "cached accumulation does not fit"}
+    res = {"largest_plain_batch": best, "tried": tried, "cached": {"K": k, "B": b, **row}}
     for name, r in (("largest", tried[best]), ("cached", row)):
         if r["step_s"]:
             res[f"{name}_samples_per_s"] = round(r["samples_per_step"] / r["step_s"], 1)
     return res
 
 
+def markdown(res: dict[str, Any]) -> str:
+    """The table of docs/scaling.md: per method and K, each mode's step time and memory
+    (MB), with their ratios to one batch of K·B."""
+
+    def cell(r: dict[str, Any] | None) -> str:
+        if r is None:
+            return "–"
+        if "refused" in r:
+            return "refused"
+        mb = f"{r['memory_bytes'] / 1e6:.2f} MB" if r.get("memory_bytes") else "–"
+        ratios = (
+            f" ({r['step_ratio']:.2f} ×, {r['memory_ratio']:.2f} ×)" if "step_ratio" in r else ""
+        )
+        return f"{r['step_s']:.3f} s, {mb}{ratios}"
+
+    lines = [
+        "| method | K | one batch of K·B | plain K × B (÷ one) | cached K × B (÷ one) |",
+        "|---|---|---|---|---|",
+    ]
+    for method, rows in res["results"].items():
+        for k, row in rows.items():
+            one, plain, cached = row["one"], row.get("plain"), row.get("cached")
+            lines.append(f"| {method} | {k[2:]} | {cell(one)} | {cell(plain)} | {cell(cached)} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--methods", default=METHODS)
     ap.add_argument("--ks", default="1,4,16", type=lambda s: [int(x) for x in s.split(",")])
-    ap.add_argument("--batch", type=int, default=4, help="B: pairs per micro-batch")
-    ap.add_argument("--steps", type=int, default=4, help="steps per task (task 2 timed)")
+    ap.add_argument("--batch", type=int, default=8, help="B: pairs per micro-batch")
+    ap.add_argument("--steps", type=int, default=5, help="steps per task (task 2 timed)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--model-config", default="", help="tiny-vit on the CPU, ViT-B-16 on CUDA")
     ap.add_argument("--precision", choices=("no", "bf16", "fp16"), default="no")
@@ -227,6 +269,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--global-batch", type=int, default=0, help="CUDA: the GPU measurement")
     ap.add_argument("--start-batch", type=int, default=128)
     ap.add_argument("--max-batch", type=int, default=0, help="stop doubling here (0: at OOM)")
+    ap.add_argument("--markdown", default="", help="also write the table here (markdown)")
     args = ap.parse_args(argv)
     if args.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the Trainer takes a GPU when it sees one
@@ -266,6 +309,8 @@ def main(argv: list[str] | None = None) -> None:
             res["results"] = table(args, stream, tmp)
     res["load_after"] = round(os.getloadavg()[0], 2)
     print(json.dumps(res, indent=2))
+    if args.markdown and "results" in res:
+        Path(args.markdown).write_text(markdown(res) + "\n")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ SPEC is `samples=N`, `tflops=N` or `maf=N`, for the whole stream, or with `/task
 (`tflops=2/task`) for each task:
 
 - `samples=N`: training samples (replayed ones included), N / (global batch × grad_accum)
-  steps; no measurement needed.
+  steps; no measurement needed (`--accum-mode cached` trains the same samples per step: its
+  second forward costs FLOPs, not samples).
 - `tflops=N`: 10^12 FLOPs of training steps; each task's steps = its budget / the FLOPs of one
   of its steps (forward, backward and the method's extra passes, summed over processes).
 - `maf=N`: FoMo-in-Flux's memory-adjusted FLOPs (Roth et al., NeurIPS 2024 D&B), in 10^12
@@ -44,7 +45,9 @@ under `--select best-val`, AFEC's expanded model) is measured and reported, neve
 
 The costs are measured before the task trains, on its start weights, and undone, so the task
 then trains exactly as it would have: `probe_step` runs one real optimizer step of the method
-on the task's first batch (throwaway optimizer), counted, then restores the weights, reruns
+on the task's first batch (throwaway optimizer; under `--accum-mode cached` the cached step the
+task trains: K first-pass forwards, the loss once, K second-pass forwards and backwards, so
+its count holds the re-forward, as the loop's own counted step does), counted, then restores the weights, reruns
 `before_task` and reloads the method and buffer state from an in-memory copy, as a resume
 from a checkpoint does; `probe_extras` runs the end-of-task work counted (FoMo-in-Flux
 profiles its `end_task` the same way, on the initial model) and puts back deep copies of the

@@ -12,7 +12,10 @@
   the bytes the step holds — every tensor of the model and of the method (old, momentum and
   teacher models, importance weights, the buffer's stored outputs), the gradients and the
   optimizer's two moments of what trains, and the activations autograd saves for the backward
-  (`torch.autograd.graph.saved_tensors_hooks`, the largest micro-batch's), each storage once.
+  (`torch.autograd.graph.saved_tensors_hooks`, the largest micro-batch's), each storage once;
+  under `--accum-mode cached` also what the step holds across its micro-batches (every
+  micro-batch's inputs, the step's outputs and their gradients: `StageMemory.hold`), the
+  largest of the loss pass's and each second-pass forward's activations being the saved part.
   Exact and the same on every machine; transient buffers of a kernel are not in it.
 - `allocated` (cvl's earlier measure): CUDA `max_memory_allocated` over the stage plus the
   optimizer's moments; on the CPU the process's peak resident set (`cvl.train.cost`), which

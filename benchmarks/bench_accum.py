@@ -200,9 +200,10 @@ def global_batch(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
 
     size = _image_size(args.model_config)
     stream = tmp / "big"
-    per_task = args.global_batch * args.steps
-    spec = SynthSpec(tasks=2, per_task=per_task, image_size=size, test_per_task=8, seed=0)
-    build_synthetic(stream, spec, progress=False)
+    # one global batch per task: each epoch is one step, --steps epochs (the same pairs again:
+    # the timing does not depend on which); 2 × N images at the model's size, in every CPU
+    spec = SynthSpec(tasks=2, per_task=args.global_batch, image_size=size, test_per_task=8, seed=0)
+    build_synthetic(stream, spec, progress=False, processes=os.cpu_count() or 1)
     base = _base(args)
     tried: dict[int, Any] = {}
     b, best = args.start_batch, None

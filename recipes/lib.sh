@@ -22,6 +22,14 @@
 #                        --smoke: all of it in the first setting, a subset in the others]
 #   --settings "A B"     the protocol settings to run (SETTINGS) [all of the recipe's]
 #   --seed N             (SEED) [0]
+#   --max-batch-per-process N
+#                        keep the YAML's global batch on fewer processes (MAX_BATCH_PER_PROCESS)
+#                        [the YAML's recipe_max_batch_per_process, else none; 0: none]: when
+#                        global / processes exceeds N, each step is K = ceil(that / N)
+#                        micro-batches (`--grad-accum K --accum-mode $ACCUM_MODE`), refused
+#                        in one line when K does not divide it. ACCUM_MODE [cached]: the loss
+#                        of the whole global batch (docs/scaling.md); `plain` trains each
+#                        micro-batch's own loss (fewer negatives: not the paper's objective)
 # CVL (the cvl command; default: the repo's .venv/bin/cvl, else `cvl` on PATH) and ACCELERATE
 # (default: accelerate next to CVL, else on PATH) choose the executables. Rerunning the same command skips
 # what is finished: streams are kept, `cvl train` resumes (a finished run returns at once),
@@ -43,6 +51,8 @@ MAIN_PORT=${MAIN_PORT:-29500}
 METHODS=${METHODS:-}
 SETTINGS=${SETTINGS:-}
 SEED=${SEED:-0}
+MAX_BATCH_PER_PROCESS=${MAX_BATCH_PER_PROCESS:-}
+ACCUM_MODE=${ACCUM_MODE:-cached}
 # The cvl executable: $CVL, else the repo's .venv (make test / make demo create it), else PATH.
 if [ -z "${CVL:-}" ]; then
   CVL=$RECIPES/../.venv/bin/cvl
@@ -78,6 +88,7 @@ parse_args() {
       --methods) METHODS=$2; shift ;;
       --settings) SETTINGS=$2; shift ;;
       --seed) SEED=$2; shift ;;
+      --max-batch-per-process) MAX_BATCH_PER_PROCESS=$2; shift ;;
       -h | --help) usage 0 ;;
       *) echo "error: unknown option '$1' (--help lists them)" >&2; exit 2 ;;
     esac
@@ -118,6 +129,26 @@ per_process_batch() {
   echo $((global / WORLD))
 }
 
+# The batch options of one process for the YAML's global batch_size: `--batch-size B`, or,
+# when B exceeds the per-process cap (MAX_BATCH_PER_PROCESS, else the YAML's
+# recipe_max_batch_per_process; empty or 0: no cap), K = ceil(B / cap) micro-batches of B / K:
+# `--batch-size B/K --grad-accum K --accum-mode $ACCUM_MODE` (the same global batch per step).
+batch_args() {
+  local per cap k
+  per=$(per_process_batch "$1") || exit 2
+  cap=${MAX_BATCH_PER_PROCESS:-$(cfg_get recipe_max_batch_per_process "$1")}
+  if [ -z "$cap" ] || [ "$cap" -eq 0 ] || [ "$per" -le "$cap" ]; then
+    echo "--batch-size $per"
+    return
+  fi
+  k=$(((per + cap - 1) / cap))
+  if [ $((per % k)) -ne 0 ]; then
+    echo "error: per-process batch $per does not split into $k equal micro-batches of at most $cap (set MAX_BATCH_PER_PROCESS to a divisor of $per)" >&2
+    exit 2
+  fi
+  echo "--batch-size $((per / k)) --grad-accum $k --accum-mode $ACCUM_MODE"
+}
+
 # Build a stream only on node 0 and only once; other nodes wait for it.
 # Usage: build_stream DIR cvl-build-stream-args...
 build_stream() {
@@ -135,8 +166,9 @@ build_stream() {
 # Usage: train CONFIG RUN cvl-train-args...
 train() {
   local cfg=$1 run=$2 batch; shift 2
-  batch=$(per_process_batch "$cfg") || exit 2
-  local extra=(--config "$cfg" --batch-size "$batch" --seed "$SEED" --quiet)
+  batch=$(batch_args "$cfg") || exit 2
+  # shellcheck disable=SC2206  # the batch options: words without spaces
+  local extra=(--config "$cfg" $batch --seed "$SEED" --quiet)
   [ -n "$MODEL_CONFIG" ] && extra+=(--model-config "$MODEL_CONFIG")
   if [ "$WORLD" -gt 1 ]; then
     # --multi_gpu: without it, accelerate on a machine with no GPU ignores --num_processes and

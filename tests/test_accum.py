@@ -212,7 +212,7 @@ def test_fusion_model_is_refused_in_one_line(stream, tmp_path):
     "over, says",
     [
         ({"method": "zscl"}, "method 'zscl': ref_batch=0 makes its reference batch"),
-        ({"method": "seqft", "budget": "samples=64"}, "method 'seqft': with --budget"),
+        ({"method": "seqft", "compile": True}, "method 'seqft': with --compile"),
     ],
 )
 def test_an_untested_method_or_option_is_refused_by_name(over, says, stream, tmp_path):

@@ -90,6 +90,55 @@ def test_multi_process_training_goes_through_accelerate(tmp_path):
 
 
 @pytest.mark.parametrize(
+    ("yaml", "args", "env", "want"),
+    [  # IncCLIP: global 4096, at most 512 per process (its YAML); DKR: no cap (global 280)
+        ("incclip_cc12m", "", {}, "--batch-size 512 --grad-accum 8 --accum-mode cached"),
+        ("incclip_cc12m", "--nproc 2", {}, "--batch-size 512 --grad-accum 4 --accum-mode cached"),
+        ("incclip_cc12m", "--nproc 8", {}, "--batch-size 512"),  # the paper's 8 GPUs x 512
+        (
+            "incclip_cc12m",
+            "--max-batch-per-process 1024",
+            {},
+            "--batch-size 1024 --grad-accum 4 --accum-mode cached",
+        ),
+        ("incclip_cc12m", "", {"MAX_BATCH_PER_PROCESS": "0"}, "--batch-size 4096"),
+        (
+            "incclip_cc12m",
+            "",
+            {"ACCUM_MODE": "plain"},
+            "--batch-size 512 --grad-accum 8 --accum-mode plain",
+        ),
+        (
+            "incclip_cc12m",
+            "--max-batch-per-process 300",
+            {},
+            "error: per-process batch 4096 does not split into 14",
+        ),
+        ("dkr", "", {}, "--batch-size 280"),
+        (
+            "dkr",
+            "--max-batch-per-process 70",
+            {},
+            "--batch-size 70 --grad-accum 4 --accum-mode cached",
+        ),
+    ],
+)
+def test_a_recipe_keeps_the_global_batch_on_fewer_processes(yaml, args, env, want):
+    """lib.sh's batch_args: the per-process share of the YAML's global batch, split into K
+    cached micro-batches when it exceeds the cap (a K that does not divide it: one line)."""
+    script = (
+        f'source "{RECIPES}/lib.sh"; parse_args {args}; batch_args "{RECIPES}/configs/{yaml}.yaml"'
+    )
+    r = subprocess.run(
+        ["bash", "-c", script], env={**os.environ, **env}, capture_output=True, text=True
+    )
+    if want.startswith("error"):
+        assert r.returncode == 2 and r.stderr.startswith(want) and r.stdout == "", r
+    else:
+        assert r.returncode == 0 and r.stdout.strip() == want, r
+
+
+@pytest.mark.parametrize(
     ("args", "settings", "want"),
     [
         ("--smoke", "a b", "x"),  # the first setting runs too: the later one trains the subset

@@ -59,6 +59,15 @@ FUSION = (
 )
 
 
+#: why --compile is refused (`refusal`): the second pass replays each micro-batch's dropout
+#: and noise from the RNG states saved before its first pass; a compiled graph draws its own
+#: (Inductor's philox seeds), which that replay is not tested to reproduce
+COMPILE = (
+    "with --compile (the second pass replays the eager RNG states; a compiled graph's random "
+    "draws are not tested to replay)"
+)
+
+
 def is_cached(cfg: Any) -> bool:
     """Whether `cfg` trains cached accumulation (`--accum-mode cached` with K > 1)."""
     return getattr(cfg, "accum_mode", "plain") == "cached" and int(cfg.grad_accum) > 1
@@ -75,8 +84,8 @@ def refusal(method: Any, cfg: Any) -> str | None:
     """Why cached accumulation cannot train `method` with `cfg` (None: it can)."""
     if getattr(cfg, "model", "clip") == "fusion":
         return FUSION
-    if getattr(cfg, "budget", None) or getattr(cfg, "compile", False):
-        return "with --budget or --compile (the step probe counts a plain step: not yet)"
+    if getattr(cfg, "compile", False):
+        return COMPILE
     return method.accum_refusal(cfg)
 
 
@@ -266,6 +275,14 @@ class FeatureCache:
         self._leaves = out
         return join_batches([m[0] for m in self._micro]), out
 
+    def held(self) -> list[torch.Tensor]:
+        """What the step holds between its passes (memory under `--budget maf`'s `tensors`
+        measure): every micro-batch's device inputs and the step's outputs (after `whole`:
+        the leaves, each with a gradient of its size once the loss's backward ran)."""
+        out = [v for b, _, o in self._micro for v in (*b.values(), *o.values())]
+        leaves = [v for v in self._leaves.values() if torch.is_tensor(v)]
+        return [v for v in out if torch.is_tensor(v)] + leaves
+
     @contextlib.contextmanager
     def loss_pass(self) -> Iterator[None]:
         """Where the method's loss runs over the step's batch (`frozen_rows` cuts by it)."""
@@ -333,11 +350,14 @@ def accumulate(
     transform: Any,
     forward: Any,
     prepare: Callable[[bool], None],
+    scaled: bool = True,
 ) -> tuple[dict, dict, torch.Tensor] | None:
     """Micro-batch `micro` of the training loop's step: (batch, terms, loss) once a loss has
     run its backward, else None. plain: its forward, loss and backward; cached (the trainer
     holds a `FeatureCache`): its first forward and, at the step's last micro-batch, the loss
-    of the step's whole batch and the second pass. `prepare(last)` runs before a backward."""
+    of the step's whole batch and the second pass. `prepare(last)` runs before a backward;
+    `scaled` False: the cached loss is not scaled by fp16's GradScaler (the budget's probe,
+    whose update does not unscale)."""
     last = micro + 1 == trainer.cfg.grad_accum
     cache = trainer._cache
     if cache is None:
@@ -356,6 +376,6 @@ def accumulate(
     whole, out = cache.whole()
     with cache.loss_pass():
         terms, loss = trainer._terms(whole, out, ctx)
-    scaler = trainer.acc.scaler
+    scaler = trainer.acc.scaler if scaled else None
     cache.backward(loss, run, scaler.scale if scaler is not None else None, prepare)
     return whole, terms, loss

@@ -5,7 +5,8 @@ SPEC is `samples=N`, `tflops=N` or `maf=N`, for the whole stream, or with `/task
 (`tflops=2/task`) for each task:
 
 - `samples=N`: training samples (replayed ones included), N / (global batch × grad_accum)
-  steps; no measurement needed.
+  steps; no measurement needed (`--accum-mode cached` trains the same samples per step: its
+  second forward costs FLOPs, not samples).
 - `tflops=N`: 10^12 FLOPs of training steps; each task's steps = its budget / the FLOPs of one
   of its steps (forward, backward and the method's extra passes, summed over processes).
 - `maf=N`: FoMo-in-Flux's memory-adjusted FLOPs (Roth et al., NeurIPS 2024 D&B), in 10^12
@@ -44,7 +45,9 @@ under `--select best-val`, AFEC's expanded model) is measured and reported, neve
 
 The costs are measured before the task trains, on its start weights, and undone, so the task
 then trains exactly as it would have: `probe_step` runs one real optimizer step of the method
-on the task's first batch (throwaway optimizer), counted, then restores the weights, reruns
+on the task's first batch (throwaway optimizer; under `--accum-mode cached` the cached step the
+task trains: K first-pass forwards, the loss once, K second-pass forwards and backwards, so
+its count holds the re-forward, as the loop's own counted step does), counted, then restores the weights, reruns
 `before_task` and reloads the method and buffer state from an in-memory copy, as a resume
 from a checkpoint does; `probe_extras` runs the end-of-task work counted (FoMo-in-Flux
 profiles its `end_task` the same way, on the initial model) and puts back deep copies of the
@@ -65,6 +68,7 @@ import torch
 
 from cvl.device import fork_rng
 from cvl.dist import average_gradients
+from cvl.train.accum import accumulate, rank_major
 from cvl.train.budgetspec import (  # noqa: F401  (re-exported: budget.py was their home)
     CVL,
     FOMO,
@@ -90,6 +94,8 @@ def _first_batches(trainer: Any, ctx: Any, ds: Any, gb: int) -> list[dict]:
 
     cfg, acc = trainer.cfg, trainer.acc
     bs = trainer._task_data.epoch(0)[: cfg.grad_accum]  # the loop's own (mixed) batches
+    if trainer._cache is not None:  # laid out as the loop's cached steps (cvl.train.accum)
+        bs = list(rank_major(bs, cfg.grad_accum, acc.num_processes))
     batches = list(make_loader(ds, bs, acc.process_index, acc.num_processes, 0))
     for b in batches:  # images finished on the device once (the split transform's batched part)
         b["image"] = device_images(b, ds.transform, acc.device)
@@ -185,6 +191,13 @@ def probe_step(
     if ctx.buffer is not None:
         owned += list(held_tensors(ctx.buffer))
     opt, _ = optimizer_with_schedule(params, cfg, max(1, ctx.steps_in_task), task=ctx.task_name)
+    cache = trainer._cache  # --accum-mode cached: the probe runs the cached step
+
+    def held(last: bool) -> None:  # before each backward of a cached step: a stage ends
+        if measure:
+            mem.hold(cache.held())
+            mem.micro_done()
+
     tracker.probing = ctx.probing = True
     try:
         with fork_rng(dev):
@@ -202,9 +215,12 @@ def probe_step(
                                 sample_seed(cfg.seed, ti, 0, 0)
                             )
                             method.before_step(ctx)
-                        _, loss = trainer._micro(batch, ctx, model)
-                        (loss / len(batches)).backward()
-                        del loss
+                        if cache is not None:  # the cached step the task trains (re-forward)
+                            accumulate(trainer, batch, ctx, micro, None, model, held, False)
+                        else:
+                            _, loss = trainer._micro(batch, ctx, model)
+                            (loss / len(batches)).backward()
+                            del loss
                         if measure:
                             mem.micro_done()
                     if measure:
@@ -227,6 +243,8 @@ def probe_step(
         method.before_task(ctx)
         trainer._restore_method_state(state, ctx)
     finally:
+        if cache is not None:
+            cache.reset()
         ctx.resuming = saved[4]
         tracker.probing = ctx.probing = False
     return {

@@ -303,7 +303,8 @@ NON_RESULT_KEYS = {
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
-    """A recipe YAML as a dict of TrainConfig fields (unknown keys are an error)."""
+    """A recipe YAML as a dict of TrainConfig fields (unknown keys are an error; keys
+    starting with `recipe_` are the recipe scripts' own, recipes/lib.sh, and left out)."""
     p = Path(path)
     if not p.is_file():
         raise CvlError(f"--config {p}: file not found")
@@ -313,6 +314,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         raise CvlError(f"--config {p}: not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(d, dict):
         raise CvlError(f"--config {p}: must be a mapping of option: value")
+    d = {k: v for k, v in d.items() if not str(k).startswith("recipe_")}
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     bad = sorted(set(d) - known)
     if bad:

@@ -39,7 +39,9 @@ is given per process (the largest) and summed, wall time is rank 0's, device-hou
 time × processes.
 
 Records: task.json "cost" (`CostTracker.task_record`), run.json "cost" (`summarize_run`),
-checkpoints carry the counts so far (a resumed task keeps its counted step).
+checkpoints carry the counts so far (a resumed task keeps its counted step). Both say which
+gradient accumulation the steps ran (`grad_accum`, `accum_mode`: `--accum-mode cached` counts
+one more forward per micro-batch, its second pass, in every counted or probed step).
 """
 
 from __future__ import annotations
@@ -379,8 +381,11 @@ class CostTracker:
             "wall_s": float(c.get("wall_s", 0.0)) + time.perf_counter() - t["t0"],
         }
 
-    def task_record(self, steps: int, samples_per_step: int, processes: int) -> dict[str, Any]:
-        """task.json's "cost" of the finished task (collective)."""
+    def task_record(
+        self, steps: int, samples_per_step: int, processes: int, accumulation: dict | None = None
+    ) -> dict[str, Any]:
+        """task.json's "cost" of the finished task (collective); `accumulation`: which
+        gradient accumulation the steps ran (`accumulation_record`)."""
         st = self.state()
         self.meter.close()
         fps = st["flops_per_step"]
@@ -404,9 +409,22 @@ class CostTracker:
             "wall_s": round(st["wall_s"], 3),
             "processes": processes,
             "device_hours": st["wall_s"] * processes / 3600,
+            **(accumulation or {}),
         }
         self._task = None
         return rec
+
+
+def accumulation_record(cfg: Any) -> dict[str, Any]:
+    """Which gradient accumulation a task's steps ran (its cost depends on it: cached mode
+    runs every forward twice): `grad_accum` K and `accum_mode`, the mode the steps trained
+    (`cached` only with K > 1: `--accum-mode cached` with K = 1 is a plain step)."""
+    from cvl.train.accum import is_cached
+
+    return {
+        "grad_accum": int(cfg.grad_accum),
+        "accum_mode": "cached" if is_cached(cfg) else "plain",
+    }
 
 
 def extra(ctx: Any, name: str) -> contextlib.AbstractContextManager:
@@ -417,6 +435,8 @@ def extra(ctx: Any, name: str) -> contextlib.AbstractContextManager:
 
 
 # -- runs ---------------------------------------------------------------------------------------
+#: task.json "cost" keys saying which accumulation ran; run.json "cost" gives the tasks' value
+ACCUMULATION = ("grad_accum", "accum_mode")
 RUN_TOTALS = ("total_flops", "train_flops", "extra_flops", "samples", "wall_s", "device_hours")
 
 
@@ -428,6 +448,7 @@ def summarize_run(run: str | Path) -> dict[str, Any]:
 
     out: dict[str, Any] = {k: 0 for k in RUN_TOTALS}
     out.update(peak_memory_bytes=0, tasks=0, tasks_without_cost=0, memory_measure=None)
+    seen: dict[str, list] = {k: [] for k in ACCUMULATION}
     for c in finished_tasks(run):
         f = c.path / "task.json"
         cost = (read_json(f) if f.is_file() else {}).get("cost")
@@ -439,6 +460,11 @@ def summarize_run(run: str | Path) -> dict[str, Any]:
             out[k] += cost.get(k) or 0
         out["peak_memory_bytes"] = max(out["peak_memory_bytes"], cost.get("peak_memory_bytes", 0))
         out["memory_measure"] = out["memory_measure"] or cost.get("memory_measure")
+        for k in ACCUMULATION:  # tasks recorded before accumulation was: not counted
+            if k in cost and cost[k] not in seen[k]:
+                seen[k].append(cost[k])
+    for k, vals in seen.items():  # the tasks' value, or their values when they differ
+        out[k] = vals[0] if len(vals) == 1 else (vals or None)
     out["wall_s"] = round(out["wall_s"], 3)
     return out
 
@@ -469,4 +495,6 @@ def describe(cost: dict[str, Any]) -> str:
     parts.append(f"{cost.get('wall_s', 0):.1f} s")
     parts.append(f"{cost.get('device_hours', 0):.3g} device-hours")
     parts.append(f"{cost.get('samples', 0)} samples")
+    if cost.get("accum_mode") is not None:  # which accumulation the steps ran
+        parts.append(f"--grad-accum {cost.get('grad_accum')} --accum-mode {cost['accum_mode']}")
     return ", ".join(parts)

@@ -12,7 +12,10 @@
   the bytes the step holds — every tensor of the model and of the method (old, momentum and
   teacher models, importance weights, the buffer's stored outputs), the gradients and the
   optimizer's two moments of what trains, and the activations autograd saves for the backward
-  (`torch.autograd.graph.saved_tensors_hooks`, the largest micro-batch's), each storage once.
+  (`torch.autograd.graph.saved_tensors_hooks`, the largest micro-batch's), each storage once;
+  under `--accum-mode cached` also what the step holds across its micro-batches (every
+  micro-batch's inputs, the step's outputs and their gradients: `StageMemory.hold`), the
+  largest of the loss pass's and each second-pass forward's activations being the saved part.
   Exact and the same on every machine; transient buffers of a kernel are not in it.
 - `allocated` (cvl's earlier measure): CUDA `max_memory_allocated` over the stage plus the
   optimizer's moments; on the CPU the process's peak resident set (`cvl.train.cost`), which
@@ -103,20 +106,25 @@ class SavedActivations:
         self.resident = resident
         self.current = 0
         self.peak = 0
-        self._seen: set = set()
+        self._seen: dict = {}  # storage -> bytes, this micro-batch's
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         if isinstance(t, torch.Tensor) and t.device.type != "meta":
             k = _key(t)
             if k not in self.resident and k not in self._seen:
-                self._seen.add(k)
-                self.current += t.untyped_storage().nbytes()
+                self._seen[k] = t.untyped_storage().nbytes()
+                self.current += self._seen[k]
         return t
+
+    def release(self, keys: Iterable[tuple]) -> None:
+        """Storages counted elsewhere (`StageMemory.hold`): out of this micro-batch's bytes."""
+        for k in keys:
+            self.current -= self._seen.pop(k, 0)
 
     def micro_done(self) -> None:
         self.peak = max(self.peak, self.current)
         self.current = 0
-        self._seen = set()
+        self._seen = {}
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[SavedActivations]:
@@ -151,6 +159,7 @@ class StageMemory:
         self.moments_allocated = moments_allocated
         self.exclude_live = exclude_live
         self.saved: SavedActivations | None = None
+        self.held = 0  # `hold`: bytes kept across micro-batches (`tensors`)
         self.value = 0
 
     def moments(self) -> int:
@@ -174,6 +183,20 @@ class StageMemory:
             self._ctx = self.saved.watching()
             self._ctx.__enter__()
         return self
+
+    def hold(self, tensors: Iterable[torch.Tensor]) -> None:
+        """`tensors` are held across the stage's micro-batches (cached accumulation's inputs
+        and outputs), those that require grad with a gradient of their size: under `tensors`
+        counted once (the largest such set) and not again as saved activations."""
+        if self.saved is None:
+            return
+        tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+        seen = set(self.saved.resident)
+        n = tensor_bytes(tensors, seen)
+        n += sum(t.numel() * t.element_size() for t in tensors if t.requires_grad)
+        self.saved.release(seen - self.saved.resident)
+        self.saved.resident |= seen
+        self.held = max(self.held, n)
 
     def micro_done(self) -> None:
         """A micro-batch's backward finished (`tensors`: its saved activations are freed)."""
@@ -204,3 +227,4 @@ class StageMemory:
             self._ctx.__exit__(*exc)
             grads = sum(p.numel() * p.element_size() for p in self.trained)
             self.value = self._resident_bytes + grads + self.moments() + self.saved.peak
+            self.value += self.held

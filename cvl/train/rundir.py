@@ -26,7 +26,7 @@ from cvl.train import fsdp
 from cvl.train.batchnorm import batchnorm_statistics
 from cvl.train.checkpoint import load_state, load_torch, save_state, save_torch
 from cvl.train.config import config_diff
-from cvl.train.cost import summarize_run
+from cvl.train.cost import accumulation_record, summarize_run
 from cvl.train.optim import adamw_impl, optimizer_with_schedule
 from cvl.train.schedules import schedule_record
 
@@ -524,7 +524,8 @@ class RunFolder:
         state = self._method_state(ctx)
         weights = fsdp.full_state(self.model)  # --fsdp: gathered (collective), else None
         gb = self.cfg.batch_size * self.acc.num_processes * self.cfg.grad_accum
-        cost = self.cost.task_record(ctx.step, gb, self.acc.num_processes)  # collective
+        n = self.acc.num_processes
+        cost = self.cost.task_record(ctx.step, gb, n, accumulation_record(self.cfg))  # collective
         budget = getattr(self, "_budget_rec", None)
         no_step = getattr(self, "_no_step", None) if ctx.step == 0 else None
         self._commit_run_json()

@@ -197,15 +197,17 @@ def test_fsdp_with_cached_accumulation_equals_one_big_batch(method, one_batch, t
     assert_same_training(method, one_batch(method), _result(root / "fsdp" / method))
 
 
-def test_fusion_model_is_refused_in_one_line(stream, tmp_path):
-    from cvl.errors import CvlError
-    from cvl.train.config import resolve
-    from cvl.train.loop import Trainer
-
-    over = {"method": "seqft", "model": "fusion", "grad_accum": 2, "accum_mode": "cached"}
-    cfg = resolve(None, {"stream": str(stream), "out": str(tmp_path / "r"), **over})
-    with pytest.raises(CvlError, match="--accum-mode cached: method 'seqft' with --model fusion"):
-        Trainer(cfg, progress=False)
+@pytest.mark.matrix
+@pytest.mark.parametrize("method", ["seqft", "ctp", "lwf", "der"])  # MLM; momentum; old; replay
+def test_fusion_model_cached_equals_one_big_batch(method, stream, tmp_path):
+    """--model fusion (ViT + BERT, fusion layers, MLM): its encoders cached, its fusion and MLM
+    passes inside the loss over the step's batch: K = 4 × 8 equals one batch of 32. (By hand,
+    2026-11-29: also joint, icarl, co2l, dha, ewc, si, zscl, wise, ties, opcm, cclip, modx,
+    dkr; afec within the flips' rule, one BERT entry of 16,384 1.5e-4 apart.)"""
+    fusion = ("--model", "fusion", "--model-config", "tiny")
+    cli(_argv(stream, tmp_path / "one", method, "--batch-size", "32", *fusion))
+    cli(_argv(stream, tmp_path / "four", method, "--batch-size", "8", *CACHED, *fusion))
+    assert_same_training(method, _result(tmp_path / "one"), _result(tmp_path / "four"))
 
 
 @pytest.mark.parametrize(

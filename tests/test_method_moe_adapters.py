@@ -289,3 +289,14 @@ def test_resnet_tower_keeps_its_batchnorm_statistics(synth_stream, tmp_path):
         if ".moe." not in k and not k.startswith("moe_state"):
             assert torch.equal(v, last[k]), k
     assert not any(k.startswith("clip.visual") and ".moe." in k for k in last)
+
+
+def test_the_fusion_model_is_refused_in_one_line():
+    """MoE-Adapters adapts open_clip's blocks; the fusion model (ViT + BERT) has none: one
+    line, not an AttributeError from inside prepare_model."""
+    from cvl.errors import CvlError
+    from cvl.methods.registry import get_method
+    from cvl.models import build_model
+
+    with pytest.raises(CvlError, match="use --model clip"):
+        get_method("moe_adapters")({}).prepare_model(build_model("fusion", "tiny"), None)

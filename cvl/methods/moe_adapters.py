@@ -166,6 +166,11 @@ class MoEAdapters(Method):
     def prepare_model(self, model: Any, manifest: Any) -> Any:
         """Before run.json and init/ are written: the layers become part of the model, and
         CLIP's own parameters are frozen (run.json's `tuning` counts what can train)."""
+        if not hasattr(model, "clip"):  # the fusion model (ViT + BERT): no open_clip blocks
+            raise CvlError(
+                "method 'moe_adapters' adapts open_clip's transformer blocks: use --model clip "
+                "(the fusion model's ViT and BERT towers have none)"
+            )
         blocks = [
             getattr(model.clip, "transformer", None),
             getattr(model.clip.visual, "transformer", None),

@@ -31,9 +31,13 @@ step's batch of K·B·P pairs: the layout of P processes × batch K·B, which tr
 process × K·B·P. Values a forward draws per row of the global batch (MoE router noise) use
 the step's batch (`cvl.dist.row_span`). With one process the order is unchanged.
 
+**The fusion model** (ALBEF / CTP): its image and text encoders are cached as above (their
+token states are outputs); its fusion layers and MLM pass run inside the loss, once, on the
+step's whole batch with a graph, so they hold K·B rows' activations of those layers (the
+text side's: short sequences) — the vision tower, where a ViT's memory goes, is cached.
+
 **Refused**: a method whose loss needs more than the model's outputs over the batch says so
-(`Method.accum_refusal`, listed by `cvl methods`), and the `fusion` model (its MLM and fusion
-heads run the student inside the loss on the batch's token states) — one line each, before
+(`Method.accum_refusal`, listed by `cvl methods`), and `--compile` — one line each, before
 anything runs. `K = 1` is a plain step.
 """
 
@@ -52,16 +56,6 @@ from cvl.errors import CvlError
 
 ACCUM_MODES = ("plain", "cached")
 
-#: why the fusion model is refused (`refusal`)
-FUSION = (
-    "the fusion model's MLM and fusion heads run the student inside the loss on the batch's "
-    "token states (not cached yet)"
-)
-
-
-#: why --compile is refused (`refusal`): the second pass replays each micro-batch's dropout
-#: and noise from the RNG states saved before its first pass; a compiled graph draws its own
-#: (Inductor's philox seeds), which that replay is not tested to reproduce
 COMPILE = (
     "with --compile (the second pass replays the eager RNG states; a compiled graph's random "
     "draws are not tested to replay)"
@@ -82,8 +76,6 @@ def loss_batch(cfg: Any, processes: int) -> int:
 
 def refusal(method: Any, cfg: Any) -> str | None:
     """Why cached accumulation cannot train `method` with `cfg` (None: it can)."""
-    if getattr(cfg, "model", "clip") == "fusion":
-        return FUSION
     if getattr(cfg, "compile", False):
         return COMPILE
     return method.accum_refusal(cfg)
@@ -96,9 +88,8 @@ def check(method: Any, cfg: Any) -> None:
     why = refusal(method, cfg)
     if why:
         raise CvlError(
-            f"--accum-mode cached: method '{cfg.method}'"
-            + (" with --model fusion" if why == FUSION else "")
-            + f": {why}; use --accum-mode plain (each micro-batch its own loss)"
+            f"--accum-mode cached: method '{cfg.method}': {why}; use --accum-mode plain (each "
+            "micro-batch its own loss)"
         )
 
 

@@ -12,7 +12,9 @@ own process with its own state; only the already-imported libraries are shared.
     python cvl_server.py serve SOCKET   # the server (prints "ready" once the imports are done)
     python cvl_server.py client ARGS... # the `cvl` command (socket from $CVL_SERVER)
 
-POSIX only (fork, file descriptors over a Unix socket).
+POSIX only (fork, file descriptors over a Unix socket). What the libraries read at import
+(OMP_NUM_THREADS: the tests' 1, torch's thread pools) is the server's, not the client's; the
+server must not have run a torch op before forking (no thread pool is started yet).
 """
 
 from __future__ import annotations

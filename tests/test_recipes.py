@@ -1,11 +1,12 @@
 """The paper recipes (recipes/*.sh): valid bash, --help, and their --smoke pipelines end to end.
 
 The smoke tests run every recipe's --smoke mode whole (synthetic stand-ins for the protocols'
-data, tiny models, CPU) through a `cvl` wrapper around this interpreter, and check each
-setting's comparison table has exactly one row per method, in the recipe's order, with numbers
-in it. Together they use about 30 minutes of CPU (one `make smoke` run: 1,861 s), so they
-carry the `recipes` marker: `make test` leaves them out, `make smoke` runs them (two at a
-time), CI runs both.
+data, tiny models, CPU) through a `cvl` that runs each command in a process forked from a
+server that imported the libraries once (cvl_server.py: the imports were about as long as a
+tiny run), and check each setting's comparison table has exactly one row per method, in the
+recipe's order, with numbers in it. One `make smoke` run takes about 9 minutes of wall time
+on 2 cores (17 with a fresh interpreter per command), so they carry the `recipes` marker:
+`make test` leaves them out, `make smoke` runs them (two at a time), CI runs both.
 """
 
 from __future__ import annotations

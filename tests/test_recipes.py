@@ -1,11 +1,12 @@
 """The paper recipes (recipes/*.sh): valid bash, --help, and their --smoke pipelines end to end.
 
 The smoke tests run every recipe's --smoke mode whole (synthetic stand-ins for the protocols'
-data, tiny models, CPU) through a `cvl` wrapper around this interpreter, and check each
-setting's comparison table has exactly one row per method, in the recipe's order, with numbers
-in it. Together they use about 30 minutes of CPU (one `make smoke` run: 1,861 s), so they
-carry the `recipes` marker: `make test` leaves them out, `make smoke` runs them (two at a
-time), CI runs both.
+data, tiny models, CPU) through a `cvl` that runs each command in a process forked from a
+server that imported the libraries once (cvl_server.py: the imports were about as long as a
+tiny run), and check each setting's comparison table has exactly one row per method, in the
+recipe's order, with numbers in it. One `make smoke` run takes about 9 minutes of wall time
+on 2 cores (17 with a fresh interpreter per command), so they carry the `recipes` marker:
+`make test` leaves them out, `make smoke` runs them (two at a time), CI runs both.
 """
 
 from __future__ import annotations
@@ -13,14 +14,18 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from device_helpers import dist_env
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+SERVER_PY = Path(__file__).resolve().parent / "cvl_server.py"
 PAPER_RECIPES = [
     "ctp_p9d.sh",
     "incclip_cc12m.sh",
@@ -34,15 +39,36 @@ FOMO = "fomo.sh"  # FoMo-in-Flux-style study (test_fomo_smoke)
 CCLIP = "cclip.sh"  # C-CLIP's protocol (test_cclip_smoke)
 
 
-def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    """Environment with CVL pointing at `python -m cvl` of this interpreter, ACCELERATE at the
-    accelerate installed beside it."""
+def _env(tmp_path: Path, server: str | None = None, **extra: str) -> dict[str, str]:
+    """Environment with CVL pointing at `python -m cvl` of this interpreter (or, with `server`,
+    at a cvl_server.py client: the same command in a process forked from one that imported
+    the libraries already), ACCELERATE at the accelerate installed beside it."""
     cvl = tmp_path / "cvl"
-    cvl.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m cvl "$@"\n')
+    how = f'"{SERVER_PY}" client' if server else "-m cvl"
+    cvl.write_text(f'#!/bin/sh\nexec "{sys.executable}" {how} "$@"\n')
     cvl.chmod(0o755)
     acc = str(Path(sys.executable).parent / "accelerate")
     env = {"OMP_NUM_THREADS": "1", "CVL": str(cvl), "ACCELERATE": acc, **extra}
-    return {**os.environ, **env}
+    return {**os.environ, **env, **({"CVL_SERVER": server} if server else {})}
+
+
+@pytest.fixture(scope="module")
+def cvl_server() -> Iterator[str]:
+    """A cvl_server.py for this module's smoke runs (one per xdist worker): the ~100 `cvl`
+    commands of `make smoke` skip importing torch, torchvision, open_clip and timm each
+    (about half of a tiny run's time); its socket path."""
+    d = Path(tempfile.mkdtemp(prefix="cvl-srv-"))  # short: a Unix socket path is <= 107 bytes
+    sock = str(d / "s")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(SERVER_PY), "serve", sock]
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready", p.poll()
+        yield sock
+    finally:
+        p.terminate()
+        p.wait()
+        shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.mark.parametrize("name", [*PAPER_RECIPES, FOMO, CCLIP])
@@ -196,7 +222,7 @@ SMOKES = {
 
 @pytest.mark.recipes
 @pytest.mark.parametrize("name", list(SMOKES))
-def test_recipe_smoke(name, tmp_path):
+def test_recipe_smoke(name, tmp_path, cvl_server):
     """`RECIPE --smoke` (build -> train every method, in the first setting, the recipe's smoke
     subset in the later ones -> eval -> compare) runs green on the CPU; every setting's stream
     has the protocol's task count and benchmarks; its compare.csv and
@@ -205,7 +231,7 @@ def test_recipe_smoke(name, tmp_path):
     --nproc 2 trains in two processes."""
     out = tmp_path / "out"
     cmd = ["bash", str(RECIPES / name), "--smoke", "--out", str(out)]
-    r = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True)
+    r = subprocess.run(cmd, env=_env(tmp_path, cvl_server), capture_output=True, text=True)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     for setting, (methods, n_tasks, bench) in SMOKES[name].items():
         d = out / setting
@@ -237,19 +263,21 @@ def test_recipe_smoke(name, tmp_path):
         for setting in SMOKES[name]:
             assert (out / setting / "runs" / "seqft" / "analysis").is_dir()
     if name == "dha_citm.sh":  # a rerun finds every stream, run and evaluation finished
-        again = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True)
+        again = subprocess.run(cmd, env=_env(tmp_path, cvl_server), capture_output=True, text=True)
         assert again.returncode == 0, again.stderr[-3000:]
         assert "reusing" in again.stdout and "saved" not in again.stdout
         # --nproc 2 really trains in 2 processes (accelerate launch), each with half the batch
         two = [*cmd[:-1], str(tmp_path / "two"), "--nproc", "2", "--methods", "dha"]
-        r = subprocess.run(two, env=dist_env(2, _env(tmp_path)), capture_output=True, text=True)
+        r = subprocess.run(
+            two, env=dist_env(2, _env(tmp_path, cvl_server)), capture_output=True, text=True
+        )
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         run = json.loads((tmp_path / "two" / "runs" / "dha" / "run.json").read_text())
         assert run["processes"] == 2 and run["config"]["batch_size"] == 4  # smoke: global 8
 
 
 @pytest.mark.recipes
-def test_fomo_smoke(tmp_path):
+def test_fomo_smoke(tmp_path, cvl_server):
     """`recipes/fomo.sh --smoke`: CLIP_0 on a synthetic pretraining set, then three runs (no
     mixture + per-task cosine; the mixture + the cosine and the rsqrt autoregressive
     meta-schedules) at the same 12 steps per task on 3 adaptation tasks with 2 held-out
@@ -257,7 +285,7 @@ def test_fomo_smoke(tmp_path):
     runs record their split (FoMo's first-task rule on task 0)."""
     out = tmp_path / "out"
     cmd = ["bash", str(RECIPES / FOMO), "--smoke", "--out", str(out)]
-    r = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True)
+    r = subprocess.run(cmd, env=_env(tmp_path, cvl_server), capture_output=True, text=True)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     cj = json.loads((out / "compare" / "compare.json").read_text())
     assert [row["run"] for row in cj["runs"]] == ["ft", "mix-ar", "mix-rsqrt-ar"]
@@ -276,14 +304,14 @@ def test_fomo_smoke(tmp_path):
 
 
 @pytest.mark.recipes
-def test_cclip_smoke(tmp_path):
+def test_cclip_smoke(tmp_path, cvl_server):
     """`recipes/cclip.sh --smoke`: C-CLIP's eight tasks in its order (synthetic stand-ins), a
     held-out domain as the zero-shot classification folder, CLIP_0, then C-CLIP and the
     separate per-task LoRAs (both with --tune lora); compare.json has both runs with a finite
     Rm and zero-shot retention (A_ZS); each evaluation scores the start first."""
     out = tmp_path / "out"
     cmd = ["bash", str(RECIPES / CCLIP), "--smoke", "--out", str(out)]
-    r = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True)
+    r = subprocess.run(cmd, env=_env(tmp_path, cvl_server), capture_output=True, text=True)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     cj = json.loads((out / "compare" / "compare.json").read_text())
     assert [row["run"] for row in cj["runs"]] == ["cclip", "lora-per-task"]

@@ -203,10 +203,6 @@ class Method:
     tune_also: tuple[str, ...] = ()
     #: the method's defaults for `--tune-arg`s, by `--tune` mode (the user's args win)
     tune_defaults: dict[str, dict[str, Any]] = {}
-    #: why `--accum-mode cached` cannot train this method (`cvl.train.accum`; None: it can,
-    #: with its `loss` run once on the step's whole batch and frozen models through
-    #: `frozen_rows`); `accum_refusal` may decide by the method's arguments
-    cached_refusal: str | None = None
 
     def __init__(self, args: dict[str, Any] | None = None) -> None:
         self.args = self.resolve_args(args or {})
@@ -233,8 +229,10 @@ class Method:
         return None
 
     def accum_refusal(self, cfg: Any) -> str | None:
-        """Why `--accum-mode cached` cannot train this method with `cfg` (None: it can)."""
-        return self.cached_refusal
+        """Why `--accum-mode cached` cannot train this method with `cfg` (None: it can, with
+        its `loss` run once on the step's whole batch and frozen models through
+        `cvl.train.accum.frozen_rows`); a method overrides it when a term cannot be cached."""
+        return None
 
     def check_choice(self, key: str, choices: tuple[str, ...]) -> None:
         """A clear error unless argument `key` is one of `choices`."""
@@ -347,7 +345,7 @@ class Wrapper(Method):
 
     # -- every hook goes to the base method ---------------------------------------------------
     def accum_refusal(self, cfg: Any) -> str | None:
-        return super().accum_refusal(cfg) or self.inner.accum_refusal(cfg)
+        return self.inner.accum_refusal(cfg)
 
     def setup(self, ctx: TaskContext) -> None:
         self.inner.setup(ctx)

@@ -25,7 +25,7 @@ def methods(verbose: bool) -> None:
             click.echo(pad + "defaults: " + ", ".join(f"{k}={v}" for k, v in cls.defaults.items()))
         if cls.tunes:
             click.echo(pad + f"needs: --tune {' or '.join(cls.tunes)}")
-        cached_why = _cached_refusal(cls)
+        cached_why = cls().accum_refusal(None)  # at the method's defaults
         click.echo(
             pad + "--accum-mode cached: " + (f"refused: {cached_why}" if cached_why else "yes")
         )
@@ -35,11 +35,3 @@ def methods(verbose: bool) -> None:
         if verbose and cls.__doc__:
             for line in cls.__doc__.strip().splitlines()[1:]:
                 click.echo(pad + line.strip())
-
-
-def _cached_refusal(cls: type) -> str | None:
-    """Why `--accum-mode cached` refuses the method at its defaults (None: it trains it)."""
-    try:
-        return cls().accum_refusal(None)
-    except Exception:  # noqa: BLE001 (a method that cannot be built without its arguments)
-        return cls.cached_refusal
